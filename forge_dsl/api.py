@@ -1,0 +1,89 @@
+"""The public entry points: load a spec, make its state, run its reference step.
+
+Every function that takes a spec accepts a built-in name (`"adamw"`), a path to
+a `.fopt` file, or an already loaded `ir.Spec`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from . import ir
+from .checker import check_spec
+from .config import resolve_hypers
+from .errors import SpecError, did_you_mean
+from .parser import parse_spec
+from .reference import plain_state
+
+__all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "SpecLike"]
+
+SpecLike = Union[str, os.PathLike, ir.Spec]
+
+
+def builtin_names() -> list[str]:
+    """Names of the specs shipped in optimizers/ (forge_dsl.optimizers)."""
+    root = resources.files("forge_dsl.optimizers")
+    return sorted(p.name[: -len(".fopt")] for p in root.iterdir() if p.name.endswith(".fopt"))
+
+
+def builtin_path(name: str) -> Path:
+    return Path(str(resources.files("forge_dsl.optimizers").joinpath(f"{name}.fopt")))
+
+
+@functools.lru_cache(maxsize=128)
+def _load_text(source: str, path: str) -> ir.Spec:
+    return check_spec(parse_spec(source, path))
+
+
+def load_spec(spec: SpecLike) -> ir.Spec:
+    """Parse and check a spec.
+
+    Args:
+        spec: a built-in name such as "adamw", a path to a `.fopt` file, or an `ir.Spec`
+            (returned as is).
+
+    Raises:
+        SpecError: the spec has a problem (printed as `path:line:col: message`).
+        FileNotFoundError: no such built-in name or file.
+    """
+    if isinstance(spec, ir.Spec):
+        return spec
+    text = os.fspath(spec)
+    if text.endswith(".fopt") or os.sep in text or "/" in text:
+        path = Path(text)
+        if not path.is_file():
+            raise FileNotFoundError(f"no spec file at '{text}'")
+        return _load_text(path.read_text(), text)
+    names = builtin_names()
+    if text not in names:
+        raise FileNotFoundError(
+            f"no built-in optimizer named '{text}'" + did_you_mean(text, names)
+            + f" (built-ins: {', '.join(names)}; or pass a path to a .fopt file)"
+        )
+    path = builtin_path(text)
+    return _load_text(path.read_text(), f"optimizers/{text}.fopt")
+
+
+def init_state(spec: SpecLike, param: torch.Tensor, **hypers) -> dict[str, torch.Tensor]:
+    """Fresh optimizer state for one parameter.
+
+    Args:
+        spec: built-in name, path or loaded spec.
+        param: the parameter (any shape); states are created in its dtype and device.
+        **hypers: the keywords the step will use; they decide which states exist
+            (e.g. `amsgrad=True`) and initial values that are hyperparameters
+            (e.g. Adagrad's `initial_accumulator_value`).
+
+    Returns:
+        dict: each per-element state (a tensor shaped like `param`) and each
+        scalar state (a 0-dim float64 CPU tensor), by name.
+    """
+    spec = load_spec(spec)
+    cfg = resolve_hypers(spec, hypers, caller="init_state")
+    return plain_state(spec, param, cfg, param.dtype)

@@ -1,0 +1,569 @@
+"""Stage 2: semantic checks on a parsed `ir.Spec`.
+
+What is checked, each with a located `SpecError`:
+  * names: duplicates, reserved words, unknown names (with a suggestion);
+  * types: numbers vs booleans (a flag used as a number, a number used as a
+    condition), function names and arities;
+  * element-wise-ness: indexing, attributes and reductions cannot be written;
+  * assignments: hyperparameters, flags, `grad` and `step` are read-only; scalar
+    state takes only per-tensor values; states exist only where their condition
+    holds;
+  * data flow, for every combination of flags: temporaries are assigned before
+    they are read, and `param` and every state are updated.
+
+Flags select code at compile time, so the body is checked once per
+combination of flag values (`combinations`), after `specialize` has resolved
+each `if`.  The lowering stage reuses both.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import keyword
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from . import ir
+from .errors import Loc, SpecError, did_you_mean
+
+__all__ = [
+    "BUILTIN_FUNCTIONS",
+    "Combo",
+    "Level",
+    "Type",
+    "check_spec",
+    "combinations",
+    "describe_combo",
+    "eval_static",
+    "specialize",
+]
+
+# name -> number of arguments
+BUILTIN_FUNCTIONS = {
+    "sqrt": 1,
+    "rsqrt": 1,
+    "abs": 1,
+    "sign": 1,
+    "exp": 1,
+    "log": 1,
+    "min": 2,
+    "max": 2,
+    "clamp": 3,
+    "where": 3,
+}
+
+# Functions a user may reach for that combine several elements.
+REDUCTIONS = {
+    "sum", "mean", "norm", "prod", "dot", "std", "var", "amax", "amin", "argmax", "argmin",
+    "cumsum", "cumprod", "matmul", "mm", "numel", "size", "softmax", "logsumexp", "median",
+    "topk", "sort", "roll", "shift", "outer", "trace", "any", "all", "count",
+}
+
+BUILTIN_VALUES = ("param", "grad", "step")
+
+# Names that would collide with Python (keyword arguments of the generated
+# launchers), Triton or the generated code's own names.
+RESERVED_NAMES = frozenset(
+    set(keyword.kwlist)
+    | set(getattr(keyword, "softkwlist", ()))
+    | {"tl", "triton", "torch", "math", "np", "numpy", "libdevice", "self", "cls"}
+    | {"spec", "state", "weight", "x", "dy", "seed", "layout", "rounding", "grid", "kernel", "meta"}
+    | {"int", "float", "bool", "len", "range", "print", "min_", "max_"}
+)
+
+MAX_FLAGS = 8
+
+
+class Type(enum.Enum):
+    REAL = "number"
+    BOOL = "boolean"
+
+
+class Level(enum.IntEnum):
+    """How often a value changes: the lowering hoists everything below ELEMENT."""
+
+    CONST = 0  # a literal
+    FLAG = 1  # fixed when the kernel is compiled
+    HOST = 2  # once per step per tensor (hyperparameters, step, scalar state)
+    ELEMENT = 3  # per element (param, grad, state)
+
+
+Combo = tuple[tuple[str, bool], ...]
+
+
+def combinations(spec: ir.Spec) -> list[Combo]:
+    """Every assignment of True/False to the flags and derived flags, in declaration order."""
+    names = [f.name for f in spec.flags] + [d.name for d in spec.derived]
+    return [tuple(zip(names, values)) for values in itertools.product((False, True), repeat=len(names))]
+
+
+def describe_combo(combo: Combo) -> str:
+    return ", ".join(f"{name}={'true' if value else 'false'}" for name, value in combo)
+
+
+def eval_static(expr: ir.Expr, flags: dict[str, bool]) -> bool:
+    """Evaluate a compile-time boolean (flags, `true`/`false`, and/or/not)."""
+    if isinstance(expr, ir.BoolLit):
+        return expr.value
+    if isinstance(expr, ir.Name):
+        return flags[expr.id]
+    if isinstance(expr, ir.Unary) and expr.op == "not":
+        return not eval_static(expr.operand, flags)
+    if isinstance(expr, ir.Binary) and expr.op == "and":
+        return eval_static(expr.left, flags) and eval_static(expr.right, flags)
+    if isinstance(expr, ir.Binary) and expr.op == "or":
+        return eval_static(expr.left, flags) or eval_static(expr.right, flags)
+    if isinstance(expr, ir.Binary) and expr.op in ("eq", "ne"):
+        same = eval_static(expr.left, flags) == eval_static(expr.right, flags)
+        return same if expr.op == "eq" else not same
+    raise AssertionError(f"not a compile-time condition: {expr!r}")
+
+
+def specialize(body: tuple[ir.Stmt, ...], flags: dict[str, bool]) -> list[ir.Assign]:
+    """The straight-line assignments that run when the flags have these values."""
+    out: list[ir.Assign] = []
+    for stmt in body:
+        if isinstance(stmt, ir.Assign):
+            out.append(stmt)
+        elif eval_static(stmt.condition, flags):
+            out.extend(specialize(stmt.then, flags))
+        else:
+            out.extend(specialize(stmt.orelse, flags))
+    return out
+
+
+def states_present(spec: ir.Spec, flags: dict[str, bool]) -> tuple[ir.State, ...]:
+    """The states that exist when the flags have these values."""
+    return tuple(s for s in spec.states if s.condition is None or eval_static(s.condition, flags))
+
+
+# ----------------------------------------------------------------------------
+# The checker
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Symbol:
+    kind: str  # hyper, group, flag, derived, state, scalar, param, grad, step, temp
+    type: Type
+    level: Level
+
+
+def _walk_stmts(body) -> Iterator[ir.Stmt]:
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, ir.If):
+            yield from _walk_stmts(stmt.then)
+            yield from _walk_stmts(stmt.orelse)
+
+
+def _names_in(expr: ir.Expr) -> Iterator[str]:
+    if isinstance(expr, ir.Name):
+        yield expr.id
+    elif isinstance(expr, ir.Unary):
+        yield from _names_in(expr.operand)
+    elif isinstance(expr, ir.Binary):
+        yield from _names_in(expr.left)
+        yield from _names_in(expr.right)
+    elif isinstance(expr, ir.Call):
+        for a in expr.args:
+            yield from _names_in(a)
+    elif isinstance(expr, ir.Index):
+        yield from _names_in(expr.base)
+        for a in expr.indices:
+            yield from _names_in(a)
+    elif isinstance(expr, ir.Attribute):
+        yield from _names_in(expr.base)
+
+
+def _describe(expr: ir.Expr) -> str:
+    """A short quote of an expression for messages."""
+    if isinstance(expr, ir.Name):
+        return f"'{expr.id}'"
+    if isinstance(expr, ir.Num):
+        return f"'{ir.format_number(expr.value)}'"
+    if isinstance(expr, ir.Call):
+        return f"'{expr.func}(...)'"
+    return "this expression"
+
+
+class _Checker:
+    def __init__(self, spec: ir.Spec) -> None:
+        self.spec = spec
+        self.symbols: dict[str, _Symbol] = {}
+        self.used: set[str] = set()
+        self.temps_anywhere = {
+            s.target
+            for s in _walk_stmts(spec.body)
+            if isinstance(s, ir.Assign)
+        }
+
+    def error(self, message: str, loc: Loc, hint: Optional[str] = None) -> SpecError:
+        return SpecError(message, loc, self.spec.source, hint)
+
+    # -- declarations ------------------------------------------------------
+    def declare(self, name: str, symbol: _Symbol, loc: Loc) -> None:
+        if name in BUILTIN_VALUES:
+            raise self.error(f"'{name}' is built in and cannot be declared", loc)
+        if name in BUILTIN_FUNCTIONS:
+            raise self.error(f"'{name}' is a built-in function and cannot be declared", loc)
+        self.check_name(name, loc)
+        if name in self.symbols:
+            raise self.error(f"duplicate name '{name}': it is already declared as a {self.symbols[name].kind}", loc)
+        self.symbols[name] = symbol
+
+    def check_name(self, name: str, loc: Loc) -> None:
+        if name in RESERVED_NAMES:
+            raise self.error(
+                f"'{name}' is reserved (it would collide with Python, Triton or generated code); choose another name",
+                loc,
+            )
+        if name.startswith("_") or "__" in name:
+            raise self.error(
+                f"name '{name}' may not start with '_' or contain '__' (reserved for generated code)", loc
+            )
+
+    def check_declarations(self) -> None:
+        spec = self.spec
+        self.symbols = {
+            "param": _Symbol("param", Type.REAL, Level.ELEMENT),
+            "grad": _Symbol("grad", Type.REAL, Level.ELEMENT),
+            "step": _Symbol("step", Type.REAL, Level.HOST),
+        }
+        self.check_name(spec.name, spec.loc)
+        members = {m for g in spec.groups for m in g.members}
+        for g in spec.groups:
+            self.declare(g.name, _Symbol("tuple keyword", Type.REAL, Level.HOST), g.loc)
+        for h in spec.hypers:
+            self.declare(h.name, _Symbol("hyperparameter", Type.REAL, Level.HOST), h.loc)
+            iv = h.interval
+            if iv.low > iv.high or (iv.low == iv.high and not (iv.low_closed and iv.high_closed)):
+                raise self.error(f"the range {iv} of '{h.name}' is empty", h.loc)
+            if h.default is not None and not iv.contains(h.default):
+                raise self.error(
+                    f"the default {ir.format_number(h.default)} of '{h.name}' is outside its range {iv}", h.loc
+                )
+            if h.group is None and h.name in members:
+                raise self.error(f"duplicate name '{h.name}'", h.loc)
+        for f in spec.flags:
+            self.declare(f.name, _Symbol("flag", Type.BOOL, Level.FLAG), f.loc)
+        for d in spec.derived:
+            t, level = self.infer_declaration_expr(d.expr, allowed=("hyperparameter", "flag", "derived flag"))
+            if t is not Type.BOOL:
+                raise self.error(
+                    f"flag '{d.name}' must be true, false or a condition on hyperparameters, not a number",
+                    d.expr.loc,
+                )
+            self.declare(d.name, _Symbol("derived flag", Type.BOOL, Level.FLAG), d.loc)
+        if len(spec.flags) + len(spec.derived) > MAX_FLAGS:
+            raise self.error(f"at most {MAX_FLAGS} flags are supported (each doubles the compiled variants)", spec.loc)
+        for s in spec.states:
+            self.declare(s.name, _Symbol("state", Type.REAL, Level.ELEMENT), s.loc)
+            self.check_initial_value(s.init, s.name)
+            if s.condition is not None:
+                self.check_compile_time_condition(s.condition, f"the condition of state '{s.name}'")
+        for s in spec.scalars:
+            self.declare(s.name, _Symbol("scalar state", Type.REAL, Level.HOST), s.loc)
+            self.check_initial_value(s.init, s.name)
+        for r in spec.requires:
+            t, _ = self.infer_declaration_expr(r.condition, allowed=("hyperparameter", "flag", "derived flag"))
+            if t is not Type.BOOL:
+                raise self.error("a 'require' condition must be a boolean", r.condition.loc)
+        # Kinds are fixed now; rename the member symbols' kind for messages.
+        for m in members:
+            self.symbols[m] = _Symbol("hyperparameter", Type.REAL, Level.HOST)
+
+    def check_initial_value(self, init: ir.Expr, name: str) -> None:
+        if isinstance(init, ir.Num):
+            return
+        if isinstance(init, ir.Unary) and init.op == "neg" and isinstance(init.operand, ir.Num):
+            return
+        if isinstance(init, ir.Name) and self.symbols.get(init.id, _Symbol("", Type.REAL, Level.CONST)).kind == "hyperparameter":
+            self.used.add(init.id)
+            return
+        if isinstance(init, ir.Name) and init.id not in self.symbols:
+            raise self.error(
+                f"unknown name '{init.id}' in the initial value of '{name}'"
+                + did_you_mean(init.id, [h.name for h in self.spec.hypers]),
+                init.loc,
+            )
+        raise self.error(
+            f"the initial value of '{name}' must be a number or a hyperparameter", init.loc
+        )
+
+    def infer_declaration_expr(self, expr: ir.Expr, allowed: tuple[str, ...]) -> tuple[Type, Level]:
+        for n in _names_in(expr):
+            sym = self.symbols.get(n)
+            if sym is not None and sym.kind not in allowed:
+                loc = next(e.loc for e in _iter_names(expr) if e.id == n)
+                raise self.error(
+                    f"'{n}' is a {sym.kind}; this declaration may use only hyperparameters and flags declared before it",
+                    loc,
+                )
+        return self.infer(expr, env=set(), defined_somewhere=set())
+
+    def check_compile_time_condition(self, cond: ir.Expr, what: str) -> None:
+        t, level = self.infer(cond, env=set(), defined_somewhere=set())
+        if t is not Type.BOOL:
+            raise self.error(f"{what} must be a boolean made of flags", cond.loc)
+        if level > Level.FLAG:
+            raise self.error(
+                f"{what} is resolved when the kernel is compiled, so it may use only flags",
+                cond.loc,
+                hint="for a per-step or per-element choice, use where(condition, a, b) in the update",
+            )
+
+    # -- expressions -------------------------------------------------------
+    def infer(self, expr: ir.Expr, env: set[str], defined_somewhere: set[str], why: str = "") -> tuple[Type, Level]:
+        """(type, level) of `expr`; `env` holds the temporaries assigned so far."""
+        if isinstance(expr, ir.Num):
+            return Type.REAL, Level.CONST
+        if isinstance(expr, ir.BoolLit):
+            return Type.BOOL, Level.CONST
+        if isinstance(expr, ir.Name):
+            return self.infer_name(expr, env, defined_somewhere, why)
+        if isinstance(expr, ir.Index):
+            raise self.error(
+                "indexing is not element-wise: an element's update may read only its own param, grad and state",
+                expr.loc,
+            )
+        if isinstance(expr, ir.Attribute):
+            raise self.error(
+                f"'.{expr.attr}' is not allowed: an element's update may read only its own param, grad and state, "
+                "through the built-in functions",
+                expr.loc,
+            )
+        if isinstance(expr, ir.Unary):
+            t, level = self.infer(expr.operand, env, defined_somewhere, why)
+            if expr.op == "neg":
+                self.expect_real(expr.operand, t, "'-'")
+                return Type.REAL, level
+            self.expect_bool(expr.operand, t, "'not'")
+            return Type.BOOL, level
+        if isinstance(expr, ir.Binary):
+            lt, ll = self.infer(expr.left, env, defined_somewhere, why)
+            rt, rl = self.infer(expr.right, env, defined_somewhere, why)
+            level = max(ll, rl)
+            if expr.op in ir.ARITHMETIC_OPS:
+                symbol = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**"}[expr.op]
+                self.expect_real(expr.left, lt, f"'{symbol}'")
+                self.expect_real(expr.right, rt, f"'{symbol}'")
+                return Type.REAL, level
+            if expr.op in ir.COMPARISON_OPS:
+                if expr.op in ("eq", "ne") and lt is Type.BOOL and rt is Type.BOOL:
+                    return Type.BOOL, level
+                symbol = {v: k for k, v in ir.COMPARE_SYMBOLS.items()}[expr.op]
+                self.expect_real(expr.left, lt, f"'{symbol}'")
+                self.expect_real(expr.right, rt, f"'{symbol}'")
+                return Type.BOOL, level
+            self.expect_bool(expr.left, lt, f"'{expr.op}'")
+            self.expect_bool(expr.right, rt, f"'{expr.op}'")
+            return Type.BOOL, level
+        if isinstance(expr, ir.Call):
+            return self.infer_call(expr, env, defined_somewhere, why)
+        raise AssertionError(expr)
+
+    def infer_name(self, expr: ir.Name, env, defined_somewhere, why) -> tuple[Type, Level]:
+        name = expr.id
+        if name in env:
+            return env[name] if isinstance(env, dict) else (Type.REAL, Level.ELEMENT)
+        sym = self.symbols.get(name)
+        if sym is None:
+            if name in defined_somewhere:
+                raise self.error(f"temporary '{name}' is read before it is assigned{why}", expr.loc)
+            if name in BUILTIN_FUNCTIONS:
+                raise self.error(f"'{name}' is a function; call it as {name}(...)", expr.loc)
+            candidates = list(self.symbols) + list(env)
+            raise self.error(f"unknown name '{name}'" + did_you_mean(name, candidates), expr.loc)
+        if sym.kind == "tuple keyword":
+            members = next(g.members for g in self.spec.groups if g.name == name)
+            raise self.error(
+                f"'{name}' is a tuple keyword; use its members " + ", ".join(f"'{m}'" for m in members),
+                expr.loc,
+            )
+        self.used.add(name)
+        return sym.type, sym.level
+
+    def infer_call(self, expr: ir.Call, env, defined_somewhere, why) -> tuple[Type, Level]:
+        func = expr.func
+        if func not in BUILTIN_FUNCTIONS:
+            if func in REDUCTIONS:
+                raise self.error(
+                    f"'{func}' combines several elements and is not element-wise; "
+                    "an element's update may read only its own param, grad and state",
+                    expr.func_loc,
+                )
+            if func in self.symbols or func in env:
+                raise self.error(f"'{func}' is not a function", expr.func_loc)
+            raise self.error(
+                f"unknown function '{func}'" + did_you_mean(func, BUILTIN_FUNCTIONS), expr.func_loc,
+                hint=None if did_you_mean(func, BUILTIN_FUNCTIONS) else "the functions are " + ", ".join(sorted(BUILTIN_FUNCTIONS)),
+            )
+        arity = BUILTIN_FUNCTIONS[func]
+        if len(expr.args) != arity:
+            raise self.error(
+                f"{func}() takes {arity} argument{'s' if arity != 1 else ''}, got {len(expr.args)}", expr.loc
+            )
+        typed = [self.infer(a, env, defined_somewhere, why) for a in expr.args]
+        level = max((lv for _, lv in typed), default=Level.CONST)
+        if func == "where":
+            (ct, _), (at, _), (bt, _) = typed
+            self.expect_bool(expr.args[0], ct, "the condition of where()")
+            if at is not bt:
+                raise self.error("the two branches of where() must both be numbers or both be booleans", expr.loc)
+            return at, level
+        for arg, (t, _) in zip(expr.args, typed):
+            self.expect_real(arg, t, f"{func}()")
+        return Type.REAL, level
+
+    def expect_real(self, expr: ir.Expr, t: Type, where: str) -> None:
+        if t is Type.REAL:
+            return
+        if isinstance(expr, ir.Name) and self.symbols.get(expr.id, _Symbol("", t, Level.CONST)).kind in ("flag", "derived flag"):
+            raise self.error(
+                f"flag '{expr.id}' is a boolean and cannot be used as a number in {where}",
+                expr.loc,
+                hint=f"choose between two values with where({expr.id}, a, b)",
+            )
+        raise self.error(f"{_describe(expr)} is a boolean; {where} needs a number", expr.loc)
+
+    def expect_bool(self, expr: ir.Expr, t: Type, where: str) -> None:
+        if t is Type.BOOL:
+            return
+        raise self.error(
+            f"{_describe(expr)} is a number; {where} needs a boolean",
+            expr.loc,
+            hint="compare it, e.g. 'x > 0'",
+        )
+
+    # -- the body ----------------------------------------------------------
+    def check_body_structure(self) -> None:
+        """Checks that do not depend on flag values: targets, if-conditions, expression types."""
+        for stmt in _walk_stmts(self.spec.body):
+            if isinstance(stmt, ir.If):
+                self.check_compile_time_condition(stmt.condition, "an 'if' condition")
+                continue
+            target = stmt.target
+            sym = self.symbols.get(target)
+            if sym is None:
+                if target in BUILTIN_FUNCTIONS:
+                    raise self.error(f"'{target}' is a built-in function and cannot be assigned", stmt.target_loc)
+                self.check_name(target, stmt.target_loc)
+                continue
+            if sym.kind in ("hyperparameter", "tuple keyword"):
+                raise self.error(
+                    f"cannot assign to hyperparameter '{target}': hyperparameters are read-only",
+                    stmt.target_loc,
+                    hint=f"assign to a temporary instead, e.g. '{target}_t = ...'",
+                )
+            if sym.kind in ("flag", "derived flag"):
+                raise self.error(f"cannot assign to flag '{target}': flags are read-only", stmt.target_loc)
+            if sym.kind == "grad":
+                raise self.error(
+                    "cannot assign to 'grad': the gradient is read-only",
+                    stmt.target_loc,
+                    hint="assign to a temporary instead, e.g. 'g = ...'",
+                )
+            if sym.kind == "step":
+                raise self.error("cannot assign to 'step': the step counter is read-only", stmt.target_loc)
+
+    def check_combination(self, combo: Combo, qualify: bool) -> None:
+        flags = dict(combo)
+        why = f" (when {describe_combo(combo)})" if qualify and combo else ""
+        present = {s.name for s in states_present(self.spec, flags)}
+        env: dict[str, tuple[Type, Level]] = {}
+        assigned: set[str] = set()
+        for stmt in specialize(self.spec.body, flags):
+            sym_env = dict(env)
+            t, level = self.infer(stmt.value, sym_env, self.temps_anywhere, why)
+            for n in _iter_names(stmt.value):
+                if self.symbols.get(n.id) and self.symbols[n.id].kind == "state" and n.id not in present:
+                    raise self.error(self.absent_state_message(n.id, why), n.loc)
+            target = stmt.target
+            sym = self.symbols.get(target)
+            if sym is None:  # a temporary
+                env[target] = (t, level)
+                continue
+            if t is not Type.REAL:
+                raise self.error(f"cannot assign a boolean to {sym.kind} '{target}'", stmt.value.loc)
+            if sym.kind == "state" and target not in present:
+                raise self.error(self.absent_state_message(target, why), stmt.target_loc)
+            if sym.kind == "scalar state" and level > Level.HOST:
+                raise self.error(
+                    f"scalar state '{target}' holds one value per tensor, but this value differs per element"
+                    " (it depends on param, grad or a state)",
+                    stmt.value.loc,
+                )
+            assigned.add(target)
+        if "param" not in assigned:
+            raise self.error(f"the update never assigns 'param'{why}", self.spec.loc,
+                             hint="end the update with 'param = ...'")
+        for s in self.spec.states:
+            if s.name in present and s.name not in assigned:
+                raise self.error(f"state '{s.name}' is never updated{why}", s.loc,
+                                 hint="remove it or assign it in the update")
+        for s in self.spec.scalars:
+            if s.name not in assigned:
+                raise self.error(f"scalar state '{s.name}' is never updated{why}", s.loc)
+
+    def absent_state_message(self, name: str, why: str) -> str:
+        state = next(s for s in self.spec.states if s.name == name)
+        return f"state '{name}' does not exist here{why}: it is declared only if {_print_condition(state.condition)}"
+
+    def check_unused(self) -> None:
+        for h in self.spec.hypers:
+            if h.name not in self.used:
+                raise self.error(f"hyperparameter '{h.name}' is never used", h.loc, hint="remove it or use it")
+        for f in list(self.spec.flags) + list(self.spec.derived):
+            if f.name not in self.used:
+                raise self.error(f"flag '{f.name}' is never used", f.loc, hint="remove it or use it")
+
+    def run(self) -> None:
+        self.check_declarations()
+        self.check_body_structure()
+        combos = combinations(self.spec)
+        # First find whether a problem is independent of the flags (then say it plainly).
+        errors = []
+        for combo in combos:
+            try:
+                self.check_combination(combo, qualify=False)
+            except SpecError as err:
+                errors.append((combo, err))
+        if errors:
+            if len(errors) == len(combos):
+                raise errors[0][1]
+            self.check_combination(errors[0][0], qualify=True)
+        self.check_unused()
+
+
+def _iter_names(expr: ir.Expr) -> Iterator[ir.Name]:
+    if isinstance(expr, ir.Name):
+        yield expr
+    elif isinstance(expr, ir.Unary):
+        yield from _iter_names(expr.operand)
+    elif isinstance(expr, ir.Binary):
+        yield from _iter_names(expr.left)
+        yield from _iter_names(expr.right)
+    elif isinstance(expr, ir.Call):
+        for a in expr.args:
+            yield from _iter_names(a)
+
+
+def _print_condition(expr: Optional[ir.Expr]) -> str:
+    if isinstance(expr, ir.Name):
+        return expr.id
+    if isinstance(expr, ir.Unary):
+        return f"not {_print_condition(expr.operand)}"
+    if isinstance(expr, ir.Binary):
+        return f"({_print_condition(expr.left)} {expr.op} {_print_condition(expr.right)})"
+    if isinstance(expr, ir.BoolLit):
+        return "true" if expr.value else "false"
+    return "its condition holds"
+
+
+def check_spec(spec: ir.Spec) -> ir.Spec:
+    """Raise `SpecError` for the first problem in `spec`; return it unchanged when it is valid."""
+    _Checker(spec).run()
+    return spec

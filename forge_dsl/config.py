@@ -1,0 +1,136 @@
+"""Stage 4 (runtime): torch-style keyword arguments → validated hyperparameter values.
+
+`resolve_hypers(spec, kwargs)` applies defaults, unpacks tuple keywords (torch's
+`betas=(0.9, 0.999)` sets the scalar hyperparameters `beta1` and `beta2`; the
+members may also be passed by their own names), checks ranges the way
+torch.optim does (a `ValueError` naming the keyword and its range), evaluates
+derived flags and `require` checks, and picks the flag combination to run.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from . import ir
+from .checker import Combo
+from .errors import did_you_mean
+from .scalar_ops import apply_scalar_op
+
+__all__ = ["StepConfig", "resolve_hypers", "eval_host_expr"]
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Resolved keywords for one call.
+
+    Attributes:
+        hypers: every real hyperparameter by its scalar name (tuple members unpacked).
+        flags: every flag and derived flag.
+        combo: the flag combination, in `checker.combinations` order.
+    """
+
+    hypers: dict[str, float]
+    flags: dict[str, bool]
+    combo: Combo
+
+
+def eval_host_expr(expr: ir.Expr, values: Mapping[str, Any]):
+    """Evaluate an expression over hyperparameters and flags (Python floats and bools)."""
+    if isinstance(expr, (ir.Num, ir.BoolLit)):
+        return expr.value
+    if isinstance(expr, ir.Name):
+        return values[expr.id]
+    if isinstance(expr, ir.Unary):
+        return apply_scalar_op(expr.op, eval_host_expr(expr.operand, values))
+    if isinstance(expr, ir.Binary):
+        return apply_scalar_op(expr.op, eval_host_expr(expr.left, values), eval_host_expr(expr.right, values))
+    if isinstance(expr, ir.Call):
+        return apply_scalar_op(expr.func, *(eval_host_expr(a, values) for a in expr.args))
+    raise AssertionError(expr)
+
+
+def _as_number(spec: ir.Spec, label: str, value: Any) -> float:
+    if hasattr(value, "numel") and hasattr(value, "item"):  # a tensor, as torch allows for lr
+        if value.numel() != 1:
+            raise ValueError(f"{spec.name}: {label} must be a number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{spec.name}: {label} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step") -> StepConfig:
+    """Validate `kwargs` against the spec's declarations; see the module docstring.
+
+    Raises:
+        TypeError: an unknown or duplicated keyword, or a required one missing.
+        ValueError: a value of the wrong type, outside its range, or failing a `require`.
+    """
+    groups = {g.name: g for g in spec.groups}
+    hypers = {h.name: h for h in spec.hypers}
+    flags = {f.name: f for f in spec.flags}
+    known = list(groups) + list(hypers) + list(flags)
+    for key in kwargs:
+        if key not in groups and key not in hypers and key not in flags:
+            raise TypeError(
+                f"{caller}() got an unexpected keyword argument '{key}' for optimizer '{spec.name}'"
+                + did_you_mean(key, known)
+                + f" (its keywords are: {', '.join(spec.keyword_defaults())})"
+            )
+
+    values: dict[str, float] = {}
+    for g in groups.values():
+        if g.name not in kwargs:
+            continue
+        given = kwargs[g.name]
+        if not isinstance(given, (tuple, list)) or len(given) != len(g.members):
+            raise ValueError(
+                f"{spec.name}: {g.name} must be a tuple of {len(g.members)} numbers "
+                f"({', '.join(g.members)}), got {given!r}"
+            )
+        for i, (member, v) in enumerate(zip(g.members, given)):
+            if member in kwargs:
+                raise TypeError(f"{caller}() got both '{g.name}' and its member '{member}'; pass one of them")
+            values[member] = _as_number(spec, f"{g.name}[{i}] ({member})", v)
+    for name, h in hypers.items():
+        if name in kwargs:
+            values[name] = _as_number(spec, name, kwargs[name])
+        elif name not in values:
+            if h.default is None:
+                raise TypeError(f"{caller}() missing required keyword argument '{name}' for optimizer '{spec.name}'")
+            values[name] = h.default
+    for name, h in hypers.items():
+        v = values[name]
+        if not h.interval.contains(v):
+            label = f"{h.group}[{h.index}] ({name})" if h.group else name
+            raise ValueError(f"Invalid {label}: {_show(v)}; {spec.name} expects a value in {h.interval}")
+
+    flag_values: dict[str, bool] = {}
+    for name, f in flags.items():
+        v = kwargs.get(name, f.default)
+        if hasattr(v, "item") and hasattr(v, "numel") and v.numel() == 1:
+            v = v.item()
+        if not isinstance(v, bool):
+            raise ValueError(f"{spec.name}: {name} must be True or False, got {v!r}")
+        flag_values[name] = v
+    scope: dict[str, Any] = dict(values)
+    scope.update(flag_values)
+    for d in spec.derived:
+        flag_values[d.name] = bool(eval_host_expr(d.expr, scope))
+        scope[d.name] = flag_values[d.name]
+    for r in spec.requires:
+        if not eval_host_expr(r.condition, scope):
+            raise ValueError(f"{spec.name}: {r.message}")
+    combo = tuple((f.name, flag_values[f.name]) for f in spec.flags) + tuple(
+        (d.name, flag_values[d.name]) for d in spec.derived
+    )
+    return StepConfig(values, flag_values, combo)
+
+
+def _show(v: float) -> str:
+    if math.isnan(v) or math.isinf(v):
+        return str(v)
+    return repr(v)

@@ -1,0 +1,85 @@
+"""The one error type for problems in a `.fopt` spec, and where they happened.
+
+Every stage of the compiler (parser, checker, lowering) reports a problem in a
+spec by raising `SpecError` with the `Loc` of the offending token.  Printed, it
+reads like a compiler diagnostic::
+
+    optimizers/adamw.fopt:14:12: unknown function 'sqr'; did you mean 'sqrt'?
+        denom = sqr(v) + eps
+                ^^^
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+__all__ = ["Loc", "SpecError", "did_you_mean"]
+
+
+@dataclass(frozen=True)
+class Loc:
+    """A span in a spec file: 1-based line and column of its first character."""
+
+    path: str
+    line: int
+    col: int
+    end_line: int = 0
+    end_col: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}"
+
+
+class SpecError(Exception):
+    """A problem in a `.fopt` spec, printed as `path:line:col: message`, the line and a caret.
+
+    Attributes:
+        message: the problem in one sentence, without the location.
+        loc: where it is, or None for problems with no single place.
+        source: the spec's text (to quote the line), or None.
+        hint: an optional second sentence that says what to do.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        loc: Optional[Loc] = None,
+        source: Optional[str] = None,
+        hint: Optional[str] = None,
+    ) -> None:
+        self.message = message
+        self.loc = loc
+        self.source = source
+        self.hint = hint
+        super().__init__(self.render())
+
+    def with_source(self, source: str) -> "SpecError":
+        """The same error, able to quote its line from `source`."""
+        return SpecError(self.message, self.loc, source, self.hint)
+
+    def render(self) -> str:
+        head = f"{self.loc}: {self.message}" if self.loc else self.message
+        lines = [head]
+        if self.loc and self.source is not None:
+            text_lines = self.source.splitlines()
+            if 1 <= self.loc.line <= len(text_lines):
+                text = text_lines[self.loc.line - 1].rstrip()
+                width = 1
+                if self.loc.end_line == self.loc.line and self.loc.end_col > self.loc.col:
+                    width = self.loc.end_col - self.loc.col
+                lines.append("    " + text)
+                lines.append("    " + " " * (self.loc.col - 1) + "^" * width)
+        if self.hint:
+            lines.append(f"hint: {self.hint}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """`"; did you mean 'x'?"` for the closest candidate, or `""` when none is close."""
+    close = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""

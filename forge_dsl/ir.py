@@ -1,0 +1,311 @@
+"""The typed IR of a parsed spec: frozen dataclasses, each with its source location.
+
+Locations are excluded from equality (`compare=False`), so two specs that say
+the same thing compare equal whatever their layout; the round-trip test relies
+on this.  Nothing here knows about grammar, checks or code generation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from .errors import Loc
+
+NO_LOC = Loc("<none>", 0, 0)
+
+
+def _loc() -> Loc:
+    return field(default=NO_LOC, compare=False, repr=False)
+
+
+# ----------------------------------------------------------------------------
+# Expressions
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Num:
+    value: float
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class BoolLit:
+    value: bool
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Name:
+    id: str
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Unary:
+    """`op` is 'neg' or 'not'."""
+
+    op: str
+    operand: "Expr"
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Binary:
+    """Arithmetic ('add', 'sub', 'mul', 'div', 'pow'), comparison ('lt', 'le', 'gt',
+    'ge', 'eq', 'ne') or logic ('and', 'or')."""
+
+    op: str
+    left: "Expr"
+    right: "Expr"
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Call:
+    func: str
+    args: tuple["Expr", ...]
+    loc: Loc = _loc()
+    func_loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Index:
+    """`x[i]`: parsed only to be refused with a clear message (not element-wise)."""
+
+    base: "Expr"
+    indices: tuple["Expr", ...]
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """`x.sum`: parsed only to be refused with a clear message (not element-wise)."""
+
+    base: "Expr"
+    attr: str
+    loc: Loc = _loc()
+
+
+Expr = Union[Num, BoolLit, Name, Unary, Binary, Call, Index, Attribute]
+
+ARITHMETIC_OPS = ("add", "sub", "mul", "div", "pow")
+COMPARISON_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+LOGIC_OPS = ("and", "or")
+COMPARE_SYMBOLS = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
+
+# ----------------------------------------------------------------------------
+# Declarations
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The valid range of a hyperparameter, e.g. `[0, 1)`."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_closed: bool = True
+    high_closed: bool = True
+
+    def contains(self, x: float) -> bool:
+        if math.isnan(x):
+            return False
+        above = x >= self.low if self.low_closed else x > self.low
+        below = x <= self.high if self.high_closed else x < self.high
+        return above and below
+
+    def __str__(self) -> str:
+        def bound(v: float) -> str:
+            if math.isinf(v):
+                return "inf" if v > 0 else "-inf"
+            return format_number(v)
+
+        return (
+            ("[" if self.low_closed else "(")
+            + f"{bound(self.low)}, {bound(self.high)}"
+            + ("]" if self.high_closed else ")")
+        )
+
+
+UNBOUNDED = Interval()
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """A real hyperparameter; `default` None means the keyword is required.
+
+    A member of a tuple keyword (torch's `betas=(b1, b2)`) has `group` set to
+    the tuple's name and `index` to its position in it.
+    """
+
+    name: str
+    default: Optional[float]
+    interval: Interval = UNBOUNDED
+    group: Optional[str] = None
+    index: Optional[int] = None
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class HyperGroup:
+    """A tuple keyword, e.g. `betas = (beta1 = 0.9, beta2 = 0.999)`."""
+
+    name: str
+    members: tuple[str, ...]
+    interval: Interval = UNBOUNDED
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A boolean keyword that selects code when the kernel is compiled."""
+
+    name: str
+    default: bool
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class DerivedFlag:
+    """A flag computed from hyperparameters and flags (e.g. `momentum > 0`); not a keyword."""
+
+    name: str
+    expr: Expr
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class State:
+    """Per-element optimizer state, shaped like the parameter.
+
+    `init` is a number or a hyperparameter name; `nonneg` declares that it never
+    goes below zero (int8 layouts then use the unsigned map); `condition`, a
+    flag expression, says when the state exists at all.
+    """
+
+    name: str
+    init: Expr
+    nonneg: bool = False
+    condition: Optional[Expr] = None
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class ScalarState:
+    """Per-tensor scalar state (e.g. NAdam's running mu product), updated once per step."""
+
+    name: str
+    init: Expr
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Require:
+    """A check on hyperparameters and flags, raised as ValueError(message) when false."""
+
+    condition: Expr
+    message: str
+    loc: Loc = _loc()
+
+
+# ----------------------------------------------------------------------------
+# Statements and the spec
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Assign:
+    target: str
+    value: Expr
+    loc: Loc = _loc()
+    target_loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class If:
+    """A compile-time branch: `condition` may use flags only."""
+
+    condition: Expr
+    then: tuple["Stmt", ...]
+    orelse: tuple["Stmt", ...] = ()
+    loc: Loc = _loc()
+
+
+Stmt = Union[Assign, If]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One optimizer, as written in a `.fopt` file.
+
+    Attributes:
+        name: the optimizer's name (`optimizer adamw`).
+        doc: the optional one-line description after the name.
+        hypers: every real hyperparameter, tuple members included, in order.
+        groups: tuple keywords.
+        flags: boolean keywords.
+        derived: flags computed from hyperparameters.
+        states: per-element states.
+        scalars: per-tensor scalar states.
+        requires: cross-hyperparameter checks.
+        body: the update, as statements.
+        path: the file it came from (for messages); not compared.
+        source: its text (for messages); not compared.
+    """
+
+    name: str
+    doc: Optional[str]
+    hypers: tuple[Hyper, ...]
+    groups: tuple[HyperGroup, ...]
+    flags: tuple[Flag, ...]
+    derived: tuple[DerivedFlag, ...]
+    states: tuple[State, ...]
+    scalars: tuple[ScalarState, ...]
+    requires: tuple[Require, ...]
+    body: tuple[Stmt, ...]
+    path: str = field(default="<string>", compare=False, repr=False)
+    source: str = field(default="", compare=False, repr=False)
+    loc: Loc = _loc()
+
+    # Convenient views -------------------------------------------------------
+    @property
+    def hyper_names(self) -> tuple[str, ...]:
+        return tuple(h.name for h in self.hypers)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.states)
+
+    @property
+    def flag_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.flags)
+
+    @property
+    def scalar_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.scalars)
+
+    def keyword_defaults(self) -> dict[str, object]:
+        """torch-style keyword → default: tuples for groups, None where required."""
+        out: dict[str, object] = {}
+        grouped = {m for g in self.groups for m in g.members}
+        by_name = {h.name: h for h in self.hypers}
+        for h in self.hypers:
+            if h.name not in grouped:
+                out[h.name] = h.default
+        for g in self.groups:
+            out[g.name] = tuple(by_name[m].default for m in g.members)
+        for f in self.flags:
+            out[f.name] = f.default
+        return out
+
+
+def format_number(v: float) -> str:
+    """The shortest text that reads back as exactly `v` (`1e-08`, `0.9`, `2`)."""
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if v == int(v) and abs(v) < 1e16:
+        return str(int(v))
+    return repr(float(v))

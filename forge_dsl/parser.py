@@ -1,0 +1,369 @@
+"""Stage 1: `.fopt` text → `ir.Spec`, through the Lark grammar in grammars/fopt.lark.
+
+Syntax errors become `SpecError`s pointing at the offending token, with the
+tokens that would have been accepted there in words.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from importlib import resources
+from typing import Optional
+
+import lark
+from lark import Lark, Token, Transformer, v_args
+
+from . import ir
+from .errors import Loc, SpecError
+
+__all__ = ["parse_spec", "grammar_text"]
+
+
+def grammar_text() -> str:
+    """The text of grammars/fopt.lark (shipped inside the package as forge_dsl.grammars)."""
+    return resources.files("forge_dsl.grammars").joinpath("fopt.lark").read_text()
+
+
+@functools.lru_cache(maxsize=1)
+def _parser() -> Lark:
+    return Lark(grammar_text(), parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+# Names for the terminals Lark may report as expected, in a user's words.
+_TOKEN_WORDS = {
+    "NAME": "a name",
+    "NUMBER": "a number",
+    "STRING": 'a "string"',
+    "LBRACE": "'{'",
+    "RBRACE": "'}'",
+    "LPAR": "'('",
+    "RPAR": "')'",
+    "LSQB": "'['",
+    "RSQB": "']'",
+    "EQUAL": "'='",
+    "COMMA": "','",
+    "COMPARE": "a comparison",
+    "MINUS": "'-'",
+    "PLUS": "'+'",
+    "STAR": "'*'",
+    "SLASH": "'/'",
+    "DOT": "'.'",
+    "__ANON_0": "'**'",
+    "TRUE": "'true'",
+    "FALSE": "'false'",
+    "INF": "'inf'",
+    "NONNEG": "'nonneg'",
+    "$END": "the end of the file",
+}
+
+
+def _describe_token(tok: Token) -> str:
+    if tok.type == "$END" or tok.type == "":
+        return "the end of the file"
+    return f"'{tok.value}'"
+
+
+def _describe_expected(expected: set[str]) -> str:
+    words = []
+    for name in sorted(expected):
+        if name in _TOKEN_WORDS:
+            words.append(_TOKEN_WORDS[name])
+        elif name.isupper() and not name.startswith("__"):
+            words.append(f"'{name.lower()}'")
+    words = sorted(set(words))
+    if not words:
+        return ""
+    if len(words) > 6:
+        words = words[:6] + ["..."]
+    return "; expected " + (words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1])
+
+
+def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) -> SpecError:
+    line, col = getattr(err, "line", 1) or 1, getattr(err, "column", 1) or 1
+    if isinstance(err, lark.exceptions.UnexpectedCharacters):
+        char = source[err.pos_in_stream] if err.pos_in_stream < len(source) else "?"
+        loc = Loc(path, line, col, line, col + 1)
+        return SpecError(f"syntax error: unexpected character '{char}'", loc, source)
+    if isinstance(err, lark.exceptions.UnexpectedToken):
+        tok = err.token
+        if tok.type == "$END":
+            lines = source.splitlines() or [""]
+            line, col = len(lines), len(lines[-1]) + 1
+            loc = Loc(path, line, col)
+            return SpecError(
+                "syntax error: unexpected end of file" + _describe_expected(err.expected),
+                loc,
+                source,
+                hint="a spec ends with its `update { ... }` block; check for a missing '}' or ')'.",
+            )
+        end = col + len(str(tok.value)) if tok.value else col + 1
+        loc = Loc(path, line, col, line, end)
+        return SpecError(
+            f"syntax error: unexpected {_describe_token(tok)}" + _describe_expected(err.expected),
+            loc,
+            source,
+        )
+    if isinstance(err, lark.exceptions.UnexpectedEOF):
+        lines = source.splitlines() or [""]
+        loc = Loc(path, len(lines), len(lines[-1]) + 1)
+        return SpecError("syntax error: unexpected end of file", loc, source)
+    return SpecError(f"syntax error: {err}", Loc(path, line, col), source)
+
+
+def _token_loc(path: str, tok: Token) -> Loc:
+    return Loc(path, tok.line, tok.column, tok.end_line, tok.end_column)
+
+
+class _ToIR(Transformer):
+    """Lark tree → IR nodes.  Positions come from `meta` (rules) or tokens."""
+
+    def __init__(self, path: str, source: str) -> None:
+        super().__init__()
+        self.path = path
+        self.source = source
+
+    def _loc(self, meta) -> Loc:
+        if getattr(meta, "empty", True):
+            return ir.NO_LOC
+        return Loc(self.path, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _number(self, tok: Token, negative: bool = False) -> float:
+        value = float(tok.value)
+        if math.isinf(value):
+            raise SpecError(
+                f"number '{tok.value}' is too large for a float", _token_loc(self.path, tok), self.source
+            )
+        return -value if negative else value
+
+    # -- numbers and bounds ------------------------------------------------
+    def signed_number(self, children):
+        return self._number(children[0])
+
+    def negative_number(self, children):
+        return self._number(children[0], negative=True)
+
+    def pos_inf(self, children):
+        return math.inf
+
+    def neg_inf(self, children):
+        return -math.inf
+
+    def closed(self, children):
+        return True
+
+    def open(self, children):
+        return False
+
+    def interval(self, children):
+        low_closed, low, high, high_closed = children
+        return ir.Interval(low, high, low_closed, high_closed)
+
+    # -- declarations ------------------------------------------------------
+    @v_args(meta=True)
+    def header(self, meta, children):
+        name = children[0]
+        doc = children[1].value[1:-1] if len(children) > 1 else None
+        return ("header", str(name), doc, _token_loc(self.path, name))
+
+    @v_args(meta=True)
+    def hyper(self, meta, children):
+        name, rest = children[0], children[1:]
+        default: Optional[float] = None
+        interval = ir.UNBOUNDED
+        for item in rest:
+            if isinstance(item, ir.Interval):
+                interval = item
+            else:
+                default = item
+        return ir.Hyper(str(name), default, interval, loc=_token_loc(self.path, name))
+
+    @v_args(meta=True)
+    def component(self, meta, children):
+        name, value = children
+        return (str(name), value, _token_loc(self.path, name))
+
+    @v_args(meta=True)
+    def tuple_hyper(self, meta, children):
+        name = children[0]
+        interval = children[-1] if isinstance(children[-1], ir.Interval) else ir.UNBOUNDED
+        comps = [c for c in children[1:] if isinstance(c, tuple)]
+        members = tuple(
+            ir.Hyper(cname, value, interval, group=str(name), index=i, loc=cloc)
+            for i, (cname, value, cloc) in enumerate(comps)
+        )
+        group = ir.HyperGroup(str(name), tuple(m.name for m in members), interval, loc=_token_loc(self.path, name))
+        return (group, members)
+
+    @v_args(meta=True)
+    def flag(self, meta, children):
+        name, expr = children
+        loc = _token_loc(self.path, name)
+        if isinstance(expr, ir.BoolLit):
+            return ir.Flag(str(name), expr.value, loc=loc)
+        return ir.DerivedFlag(str(name), expr, loc=loc)
+
+    @v_args(meta=True)
+    def state(self, meta, children):
+        name, init = children[0], children[1]
+        nonneg = any(isinstance(c, Token) and c.type == "NONNEG" for c in children[2:])
+        conds = [c for c in children[2:] if not (isinstance(c, Token) and c.type == "NONNEG")]
+        return ir.State(str(name), init, nonneg, conds[0] if conds else None, loc=_token_loc(self.path, name))
+
+    @v_args(meta=True)
+    def scalar(self, meta, children):
+        name, init = children
+        return ir.ScalarState(str(name), init, loc=_token_loc(self.path, name))
+
+    @v_args(meta=True)
+    def require(self, meta, children):
+        cond, message = children
+        return ir.Require(cond, message.value[1:-1], loc=self._loc(meta))
+
+    # -- statements --------------------------------------------------------
+    @v_args(meta=True)
+    def assign(self, meta, children):
+        name, value = children
+        return ir.Assign(str(name), value, loc=self._loc(meta), target_loc=_token_loc(self.path, name))
+
+    @v_args(meta=True)
+    def if_stmt(self, meta, children):
+        cond, rest = children[0], children[1:]
+        orelse: tuple = ()
+        if rest and isinstance(rest[-1], tuple) and rest[-1][:1] == ("else",):
+            orelse = rest[-1][1]
+            rest = rest[:-1]
+        return ir.If(cond, tuple(rest), orelse, loc=self._loc(meta))
+
+    def else_part(self, children):
+        return ("else", tuple(children))
+
+    def else_if(self, children):
+        return ("else", (children[0],))
+
+    def update_block(self, children):
+        return ("update", tuple(children))
+
+    # -- expressions -------------------------------------------------------
+    @v_args(meta=True)
+    def number(self, meta, children):
+        return ir.Num(self._number(children[0]), loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def true(self, meta, children):
+        return ir.BoolLit(True, loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def false(self, meta, children):
+        return ir.BoolLit(False, loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def inf(self, meta, children):
+        return ir.Num(math.inf, loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def name(self, meta, children):
+        return ir.Name(str(children[0]), loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def call(self, meta, children):
+        func = children[0]
+        args = tuple(c for c in children[1:] if c is not None)
+        return ir.Call(str(func), args, loc=self._loc(meta), func_loc=_token_loc(self.path, func))
+
+    @v_args(meta=True)
+    def index(self, meta, children):
+        return ir.Index(children[0], tuple(children[1:]), loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def attribute(self, meta, children):
+        return ir.Attribute(children[0], str(children[1]), loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def neg(self, meta, children):
+        return ir.Unary("neg", children[0], loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def not_(self, meta, children):
+        return ir.Unary("not", children[0], loc=self._loc(meta))
+
+    def _binary(op):
+        @v_args(meta=True)
+        def method(self, meta, children):
+            return ir.Binary(op, children[0], children[1], loc=self._loc(meta))
+
+        return method
+
+    add = _binary("add")
+    sub = _binary("sub")
+    mul = _binary("mul")
+    div = _binary("div")
+    pow = _binary("pow")
+    and_ = _binary("and")
+    or_ = _binary("or")
+    del _binary
+
+    @v_args(meta=True)
+    def compare(self, meta, children):
+        left, op, right = children
+        return ir.Binary(ir.COMPARE_SYMBOLS[op.value], left, right, loc=self._loc(meta))
+
+    # -- the whole spec ----------------------------------------------------
+    @v_args(meta=True)
+    def start(self, meta, children):
+        _, name, doc, name_loc = children[0]
+        hypers, groups, flags, derived, states, scalars, requires = [], [], [], [], [], [], []
+        body: tuple = ()
+        for item in children[1:]:
+            if isinstance(item, ir.Hyper):
+                hypers.append(item)
+            elif isinstance(item, tuple) and item and isinstance(item[0], ir.HyperGroup):
+                groups.append(item[0])
+                hypers.extend(item[1])
+            elif isinstance(item, ir.Flag):
+                flags.append(item)
+            elif isinstance(item, ir.DerivedFlag):
+                derived.append(item)
+            elif isinstance(item, ir.State):
+                states.append(item)
+            elif isinstance(item, ir.ScalarState):
+                scalars.append(item)
+            elif isinstance(item, ir.Require):
+                requires.append(item)
+            elif isinstance(item, tuple) and item[:1] == ("update",):
+                body = item[1]
+        return ir.Spec(
+            name=name,
+            doc=doc,
+            hypers=tuple(hypers),
+            groups=tuple(groups),
+            flags=tuple(flags),
+            derived=tuple(derived),
+            states=tuple(states),
+            scalars=tuple(scalars),
+            requires=tuple(requires),
+            body=body,
+            path=self.path,
+            source=self.source,
+            loc=name_loc,
+        )
+
+
+def parse_spec(source: str, path: str = "<string>") -> ir.Spec:
+    """Parse `.fopt` text into an (unchecked) `ir.Spec`.
+
+    Raises:
+        SpecError: on any syntax error, located at the offending token.
+    """
+    try:
+        tree = _parser().parse(source)
+    except lark.exceptions.UnexpectedInput as err:
+        raise _syntax_error(err, path, source) from None
+    except RecursionError:
+        raise SpecError("spec is nested too deeply to parse", Loc(path, 1, 1), source) from None
+    try:
+        return _ToIR(path, source).transform(tree)
+    except lark.exceptions.VisitError as err:
+        if isinstance(err.orig_exc, SpecError):
+            raise err.orig_exc from None
+        raise

@@ -1,0 +1,115 @@
+"""What each operation of the language means on plain Python floats (IEEE float64).
+
+Used for constant folding (lowering), the host-scalar program (reference step,
+generated host code) and derived flags.  Domain errors give NaN or inf as in
+IEEE arithmetic, never a Python exception.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["apply_scalar_op"]
+
+
+def _div(a: float, b: float) -> float:
+    if b == 0.0:
+        if a == 0.0 or math.isnan(a):
+            return math.nan
+        return math.copysign(math.inf, a) * math.copysign(1.0, b)
+    return a / b
+
+
+def _pow(a: float, b: float) -> float:
+    try:
+        r = a**b
+    except OverflowError:
+        return math.inf
+    except ZeroDivisionError:  # 0 ** negative
+        return math.inf
+    if isinstance(r, complex):  # negative ** fractional
+        return math.nan
+    return float(r)
+
+
+def _sqrt(a: float) -> float:
+    return math.sqrt(a) if a >= 0 else math.nan
+
+
+def _rsqrt(a: float) -> float:
+    if a == 0:
+        return math.inf
+    return 1.0 / math.sqrt(a) if a > 0 else math.nan
+
+
+def _log(a: float) -> float:
+    if a == 0:
+        return -math.inf
+    return math.log(a) if a > 0 else math.nan
+
+
+def _exp(a: float) -> float:
+    try:
+        return math.exp(a)
+    except OverflowError:
+        return math.inf
+
+
+def _sign(a: float) -> float:
+    if math.isnan(a):
+        return math.nan
+    return 1.0 if a > 0 else (-1.0 if a < 0 else 0.0)
+
+
+def _min(a: float, b: float) -> float:
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return min(a, b)
+
+
+def _max(a: float, b: float) -> float:
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return max(a, b)
+
+
+def _mul(a: float, b: float) -> float:
+    return a * b
+
+
+_OPS = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": _mul,
+    "div": _div,
+    "pow": _pow,
+    "neg": lambda a: -a,
+    "recip": lambda a: _div(1.0, a),
+    "sqrt": _sqrt,
+    "rsqrt": _rsqrt,
+    "abs": abs,
+    "sign": _sign,
+    "exp": _exp,
+    "log": _log,
+    "min": _min,
+    "max": _max,
+    "clamp": lambda x, lo, hi: _min(_max(x, lo), hi),
+    "where": lambda c, a, b: a if c else b,
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+    "and": lambda a, b: bool(a) and bool(b),
+    "or": lambda a, b: bool(a) or bool(b),
+    "not": lambda a: not a,
+}
+
+
+def apply_scalar_op(op: str, *args):
+    """`op` applied to Python floats/bools, with IEEE results for domain errors."""
+    try:
+        return _OPS[op](*args)
+    except OverflowError:
+        return math.inf

@@ -1,0 +1,1 @@
+"""The .fopt grammar, shipped inside the package as forge_dsl.grammars."""
