@@ -10,7 +10,7 @@ import functools
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Union
+from typing import Mapping, Union
 
 import torch
 
@@ -19,6 +19,7 @@ from .checker import check_spec
 from .config import resolve_hypers
 from .errors import SpecError, did_you_mean
 from .parser import parse_spec
+from .layouts import quantize, resolve_layout
 from .reference import plain_state
 
 __all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "SpecLike"]
@@ -70,12 +71,20 @@ def load_spec(spec: SpecLike) -> ir.Spec:
     return _load_text(path.read_text(), f"optimizers/{text}.fopt")
 
 
-def init_state(spec: SpecLike, param: torch.Tensor, **hypers) -> dict[str, torch.Tensor]:
+def init_state(
+    spec: SpecLike, param: torch.Tensor, layout: Union[None, str, Mapping[str, str]] = None, **hypers
+) -> dict[str, torch.Tensor]:
     """Fresh optimizer state for one parameter.
 
     Args:
         spec: built-in name, path or loaded spec.
-        param: the parameter (any shape); states are created in its dtype and device.
+        param: the parameter (any shape); states are created on its device.
+        layout: None keeps every state in `param`'s dtype (what `reference_step`
+            runs on); "fp32", "bf16" or "int8" sets all states (for the kernels);
+            a dict sets them per state name (missing names: "fp32").  "int8"
+            quantizes blocks of 64 elements along the last dim with one fp32
+            scale each, stored under "<name>.scale"; states declared `nonneg`
+            use the unsigned map; a state whose last dim is below 64 stays fp32.
         **hypers: the keywords the step will use; they decide which states exist
             (e.g. `amsgrad=True`) and initial values that are hyperparameters
             (e.g. Adagrad's `initial_accumulator_value`).
@@ -86,4 +95,24 @@ def init_state(spec: SpecLike, param: torch.Tensor, **hypers) -> dict[str, torch
     """
     spec = load_spec(spec)
     cfg = resolve_hypers(spec, hypers, caller="init_state")
-    return plain_state(spec, param, cfg, param.dtype)
+    state = plain_state(spec, param, cfg, param.dtype if layout is None else torch.float32)
+    if layout is None:
+        return state
+    if isinstance(layout, Mapping):
+        unknown = set(layout) - set(spec.state_names)
+        if unknown:
+            raise ValueError(
+                f"layout names unknown states {sorted(unknown)}; {spec.name} has states {list(spec.state_names)}"
+            )
+    out: dict[str, torch.Tensor] = {}
+    for s in spec.states:
+        if s.name not in state:
+            continue
+        choice = layout.get(s.name, "fp32") if isinstance(layout, Mapping) else layout
+        storage, scale = quantize(state[s.name], resolve_layout(choice, s.nonneg, param.shape))
+        out[s.name] = storage.to(param.device)
+        if scale is not None:
+            out[f"{s.name}.scale"] = scale.to(param.device)
+    for s in spec.scalars:
+        out[s.name] = state[s.name]
+    return out

@@ -1,0 +1,226 @@
+"""Stage 5: lowered programs → the text of a generated Triton module.
+
+Python decides everything here (names, which values are kernel arguments,
+how each operation is spelled in Triton and in host Python, which states a
+variant loads) and hands the Jinja template (forge_dsl/templates/) plain
+data; the template holds only structure.  Output is deterministic: no
+timestamps, declaration order throughout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from importlib import resources
+
+import jinja2
+
+from . import ir
+from .checker import describe_combo
+from .lowering import Instr, Lowered, Operand, lower_all
+
+__all__ = ["render_module", "template_hash", "spec_hash", "TEMPLATE_NAMES", "GENERATOR_VERSION"]
+
+TEMPLATE_NAMES = ("module.py.j2",)
+GENERATOR_VERSION = "1"
+
+
+def _template_text(name: str) -> str:
+    return resources.files("forge_dsl.templates").joinpath(name).read_text()
+
+
+def template_hash() -> str:
+    h = hashlib.sha256(GENERATOR_VERSION.encode())
+    for name in TEMPLATE_NAMES:
+        h.update(_template_text(name).encode())
+    return h.hexdigest()[:16]
+
+
+def spec_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FunctionLoader(_template_text),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Spelling operations
+# ----------------------------------------------------------------------------
+
+
+def _float_literal(v: float) -> str:
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else 'float("-inf")'
+    if math.isnan(v):
+        return 'float("nan")'
+    return repr(float(v))
+
+
+def _host_operand(o: Operand) -> str:
+    if o.kind == "const":
+        return repr(o.value) if isinstance(o.value, bool) else _float_literal(o.value)
+    if o.kind == "step":
+        return "step"
+    return o.name  # hyper, scalar and host values are local variables of the host function
+
+
+_HOST_INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+def _host_expr(instr: Instr) -> str:
+    args = [_host_operand(a) for a in instr.args]
+    if instr.op in _HOST_INFIX:
+        return f"{args[0]} {_HOST_INFIX[instr.op]} {args[1]}"
+    if instr.op == "neg":
+        return f"-{args[0]}"
+    if instr.op == "and":
+        return f"{args[0]} and {args[1]}"
+    if instr.op == "or":
+        return f"{args[0]} or {args[1]}"
+    if instr.op == "not":
+        return f"not {args[0]}"
+    return f'_op("{instr.op}", {", ".join(args)})'
+
+
+def _elem_operand(o: Operand, bool_exports: set[str]) -> str:
+    if o.kind == "const":
+        return repr(o.value) if isinstance(o.value, bool) else _float_literal(o.value)
+    if o.kind in ("param", "grad"):
+        return f"b_{o.kind}"
+    if o.kind == "state":
+        return f"b_{o.name}"
+    if o.kind == "elem":
+        return f"v_{o.name}"
+    name = "h_step" if o.kind == "step" else f"h_{o.name}"
+    return f"({name} != 0)" if o.name in bool_exports else name
+
+
+def _int_power(base: str, n: int) -> str:
+    return " * ".join([base] * n)
+
+
+def _elem_expr(instr: Instr, bool_exports: set[str]) -> str:
+    a = [_elem_operand(x, bool_exports) for x in instr.args]
+    op = instr.op
+    infix = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+             "eq": "==", "ne": "!=", "and": "&", "or": "|"}
+    if op in infix:
+        return f"{a[0]} {infix[op]} {a[1]}"
+    if op == "neg":
+        return f"-{a[0]}"
+    if op == "not":
+        return f"{a[0]} == 0"
+    if op == "recip":
+        return f"1.0 / {a[0]}"
+    if op in ("sqrt", "rsqrt", "abs", "exp", "log"):
+        return f"tl.{op}({a[0]})"
+    if op == "sign":
+        return f"tl.where({a[0]} > 0, 1.0, tl.where({a[0]} < 0, -1.0, {a[0]} * 0.0))"
+    if op == "min":
+        return f"tl.minimum({a[0]}, {a[1]}, propagate_nan=tl.PropagateNan.ALL)"
+    if op == "max":
+        return f"tl.maximum({a[0]}, {a[1]}, propagate_nan=tl.PropagateNan.ALL)"
+    if op == "clamp":
+        return (f"tl.minimum(tl.maximum({a[0]}, {a[1]}, propagate_nan=tl.PropagateNan.ALL), {a[2]}, "
+                f"propagate_nan=tl.PropagateNan.ALL)")
+    if op == "where":
+        return f"tl.where({a[0]}, {a[1]}, {a[2]})"
+    if op == "pow":
+        exponent = instr.args[1]
+        if exponent.kind == "const" and not isinstance(exponent.value, bool):
+            e = exponent.value
+            if e == int(e) and 0 <= e <= 4:
+                return _int_power(a[0], int(e)) if e > 0 else f"{a[0]} * 0.0 + 1.0"
+            if e == 0.5:
+                return f"tl.sqrt({a[0]})"
+            if e == -0.5:
+                return f"tl.rsqrt({a[0]})"
+            if e == int(e) and -4 <= e < 0:
+                return f"1.0 / ({_int_power(a[0], int(-e))})"
+        # General power through exp2/log2: NaN for a negative base, like torch for a fractional exponent.
+        return f"tl.exp2({a[1]} * tl.log2({a[0]}))"
+    raise AssertionError(f"no Triton spelling for {op}")
+
+
+# ----------------------------------------------------------------------------
+# Template data
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Line:
+    target: str
+    expr: str
+
+
+def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
+    states = list(low.states)
+    host_bools = {i.name for i in low.host if i.type == "bool"}
+    bool_exports = {o.name for o in low.exports if o.kind == "host" and o.name in host_bools}
+    export_names = [o.name if o.kind != "step" else "step" for o in low.exports]
+    host_lines = [_Line(i.name, _host_expr(i)) for i in low.host]
+    returns = []
+    for o in low.exports:
+        text = _host_operand(o)
+        if o.kind == "step":
+            text = "float(step)"
+        elif o.name in bool_exports:
+            text = f"int({text})"
+        returns.append(text)
+    update_lines = [_Line(f"v_{i.name}", _elem_expr(i, bool_exports)) for i in low.elem]
+    outputs = []
+    for target, o in low.outputs:
+        text = _elem_operand(o, bool_exports)
+        if o.kind in ("const", "hyper", "step", "scalar", "host"):
+            text = f"b_param * 0.0 + {text}"  # a host value written to every element
+        outputs.append(text)
+    scalar_updates = [(name, _host_operand(o)) for name, o in low.scalar_updates]
+    reads_scalars = sorted({a.name for i in low.host for a in i.args if a.kind == "scalar"}
+                           | {o.name for _, o in low.scalar_updates if o.kind == "scalar"}
+                           | {o.name for o in low.exports if o.kind == "scalar"})
+    reads_hypers = [h.name for h in spec.hypers if
+                    any(a.kind == "hyper" and a.name == h.name for i in low.host for a in i.args)
+                    or any(o.kind == "hyper" and o.name == h.name for o in low.exports)
+                    or any(o.kind == "hyper" and o.name == h.name for _, o in low.scalar_updates)]
+    return {
+        "index": index,
+        "combo": describe_combo(low.combo) or "no flags",
+        "combo_key": repr(tuple(low.combo)),
+        "states": states,
+        "exports": [f"h_{n}" for n in export_names],
+        "host_hypers": reads_hypers,
+        "host_scalars": reads_scalars,
+        "host_lines": host_lines,
+        "host_returns": returns,
+        "scalar_updates": scalar_updates,
+        "update_args": ["b_param", "b_grad"] + [f"b_{s}" for s in states],
+        "update_targets": ["b_param"] + [f"b_{s}" for s in states],
+        "update_lines": update_lines,
+        "update_returns": outputs,
+    }
+
+
+def render_module(spec: ir.Spec, spec_path: str) -> str:
+    """The generated module for `spec` (read from `spec_path`, a name shown in the header)."""
+    variants = [_variant_data(spec, i, low) for i, low in enumerate(lower_all(spec))]
+    template = _environment().get_template("module.py.j2")
+    return template.render(
+        spec_name=spec.name,
+        spec_doc=spec.doc or spec.name,
+        spec_path=spec_path,
+        spec_hash=spec_hash(spec.source),
+        template_names=", ".join(TEMPLATE_NAMES),
+        template_hash=template_hash(),
+        flag_names=[f.name for f in spec.flags] + [d.name for d in spec.derived],
+        all_states=[s.name for s in spec.states],
+        variants=variants,
+    )

@@ -1,0 +1,279 @@
+"""Host side of the generated kernels: validate, pick the variant, compute host scalars, launch.
+
+    fused_linear_step(spec, x, dy, weight, state, step=t, **hypers)
+        x [..., K] and dy [..., N] of one linear layer y = x Wᵀ; weight [N, K] and
+        its state updated in place from dW = dyᵀ x, which is never stored.
+    step(spec, param, grad, state, step=t, **hypers)
+        the same update from a materialized gradient, for any parameter shape.
+
+`state` is what `forge_dsl.init_state(spec, param, layout=...)` returns.
+On a machine without CUDA, tensors live on the CPU and the kernels run in the
+Triton interpreter (`TRITON_INTERPRET=1` must be set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, MutableMapping, Optional
+
+import torch
+
+from ..api import SpecLike, load_spec
+from ..config import resolve_hypers
+from ..layouts import BLOCK, StateLayout, as_rows, n_blocks
+from .compiled import compiled_module
+
+__all__ = ["fused_linear_step", "step", "TileConfig", "mix_seed"]
+
+_LAYOUT_OF_DTYPE = {
+    torch.float32: StateLayout.FP32,
+    torch.bfloat16: StateLayout.BF16,
+    torch.int8: StateLayout.INT8,
+    torch.uint8: StateLayout.UINT8_SQRT,
+}
+_ROUNDINGS = ("stochastic", "nearest")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch options of the fused kernel."""
+
+    block_t: int
+    block_n: int
+    block_k: int
+    group_n: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fused_config(T: int, N: int, K: int, device: torch.device) -> TileConfig:
+    """Tiles for the fused kernel: large in the interpreter (few programs), H200-tuned on CUDA."""
+    if device.type != "cuda":
+        return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=1)
+    return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=3)
+
+
+def step_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for the element-wise step kernel; BLOCK_K is a multiple of 64."""
+    block_k = 64 if cols <= 64 else (128 if cols <= 128 else 256)
+    if device.type != "cuda":
+        return 64, block_k, 4
+    return max(1, 4096 // block_k), block_k, 8
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A Philox key in [0, 2**31) from (seed, step): splitmix64 of both, so every step draws new bits."""
+    z = ((int(seed) & 0xFFFFFFFF) << 32 | (int(step) & 0xFFFFFFFF)) + 0x9E3779B97F4A7C15
+    z &= 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return z & 0x7FFFFFFF
+
+
+def _check_device(t: torch.Tensor, what: str) -> None:
+    if t.device.type == "cpu" and not interpreting():
+        raise ValueError(
+            f"{what} is on the CPU; the kernels run on CUDA tensors, or on CPU tensors in the Triton "
+            "interpreter (set TRITON_INTERPRET=1 before importing triton)"
+        )
+
+
+def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torch.Tensor], weight: torch.Tensor):
+    """(kernel args [storage, scale, ...], layout constexprs {LAYOUT_name: code}) for the variant's states."""
+    args: list[torch.Tensor] = []
+    layouts: dict[str, int] = {}
+    for name in names:
+        if name not in state:
+            raise ValueError(
+                f"state has no '{name}', which {spec.name} needs with these flags; "
+                "create the state with forge_dsl.init_state(spec, param, layout=..., **hypers) using the same flags"
+            )
+        t = state[name]
+        if t.shape != weight.shape:
+            raise ValueError(f"state '{name}' has shape {tuple(t.shape)} but the parameter has {tuple(weight.shape)}")
+        if t.device != weight.device:
+            raise ValueError(f"state '{name}' is on {t.device} but the parameter is on {weight.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"state '{name}' must be contiguous")
+        layout = _LAYOUT_OF_DTYPE.get(t.dtype)
+        if layout is None:
+            raise ValueError(f"state '{name}' has dtype {t.dtype}; expected float32, bfloat16, int8 or uint8")
+        scale = state.get(f"{name}.scale")
+        if layout in (StateLayout.INT8, StateLayout.UINT8_SQRT):
+            rows, cols = as_rows(weight).shape
+            if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (rows, n_blocks(cols)):
+                raise ValueError(
+                    f"int8 state '{name}' needs '{name}.scale', a float32 tensor of shape ({rows}, {n_blocks(cols)})"
+                )
+            storage = t
+        else:
+            storage = t.view(torch.int16) if layout == StateLayout.BF16 else t
+            scale = storage  # never read: the layout is a constexpr
+        args += [storage, scale]
+        layouts[f"LAYOUT_{name}"] = int(layout)
+    return args, layouts
+
+
+def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16), True
+    if t.dtype == torch.float32:
+        return t, False
+    raise ValueError(f"{what} has dtype {t.dtype}; the kernels support float32 and bfloat16")
+
+
+def _variant(spec, hypers: dict, step: int, state):
+    cfg = resolve_hypers(spec, hypers)
+    module = compiled_module(spec)
+    host, fused, elementwise, names = module.VARIANTS[cfg.combo]
+    if isinstance(step, bool) or int(step) != step or step < 1:
+        raise ValueError(f"step must be a positive integer (1 for the first step), got {step!r}")
+    scalars = {s.name: float(state[s.name]) for s in spec.scalars if s.name in state}
+    missing = [s.name for s in spec.scalars if s.name not in state]
+    if missing:
+        raise ValueError(f"state has no scalar state {missing}; create it with forge_dsl.init_state")
+    exports, scalar_updates = host(cfg.hypers, int(step), scalars)
+    return fused, elementwise, names, exports, scalar_updates
+
+
+def _commit_scalars(state, scalar_updates: dict[str, float]) -> None:
+    for name, value in scalar_updates.items():
+        state[name].fill_(value)
+
+
+def fused_linear_step(
+    spec: SpecLike,
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    state: MutableMapping[str, torch.Tensor],
+    *,
+    step: int,
+    seed: int = 0,
+    rounding: str = "stochastic",
+    tf32: bool = False,
+    config: Optional[TileConfig] = None,
+    **hypers: Any,
+) -> None:
+    """Update `weight` and `state` in place from dW = dyᵀ·x without storing dW.
+
+    Args:
+        spec: built-in name, path to a `.fopt`, or loaded spec.
+        x: [..., K] the layer's input activations (float32 or bfloat16, any strides).
+        dy: [..., N] the gradient of its output (same dtype and leading dims as x).
+        weight: [N, K] contiguous float32 or bfloat16 weight of y = x · weightᵀ.
+        state: from `forge_dsl.init_state(spec, weight, layout=...)`.
+        step: 1-based step number.
+        seed: stochastic-rounding seed; the bits depend only on (seed, step, element index).
+        rounding: "stochastic" (default) or "nearest", for bfloat16 weights.
+        tf32: use tf32 tensor-core products for float32 activations (default: exact ieee fp32).
+        config: tile sizes (default: `fused_config`).
+        **hypers: torch-style keywords of the spec.
+    """
+    spec = load_spec(spec)
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features in its last dim but weight [N, K] has K = {K}")
+    if dy.shape[-1] != N:
+        raise ValueError(f"dy has {dy.shape[-1]} features in its last dim but weight [N, K] has N = {N}")
+    if x.shape[:-1] != dy.shape[:-1]:
+        raise ValueError(f"x {tuple(x.shape)} and dy {tuple(dy.shape)} must have the same leading (token) dims")
+    if x.dtype != dy.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x and dy must both be float32 or both bfloat16, got {x.dtype} and {dy.dtype}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous (it is updated in place); pass a contiguous parameter")
+    for t, what in ((x, "x"), (dy, "dy"), (weight, "weight")):
+        _check_device(t, what)
+        if t.device != weight.device:
+            raise ValueError(f"{what} is on {t.device} but weight is on {weight.device}")
+    x2 = x.reshape(-1, K)
+    dy2 = dy.reshape(-1, N)
+    T = x2.shape[0]
+    w_view, w_bf16 = _weight_view(weight, "weight")
+    fused, _, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    state_args, layouts = _prepare_state(spec, names, state, weight)
+    if N == 0 or K == 0:
+        _commit_scalars(state, scalar_updates)
+        return
+    cfg = config or fused_config(T, N, K, weight.device)
+    if cfg.block_k % BLOCK:
+        raise ValueError(f"block_k must be a multiple of {BLOCK}, got {cfg.block_k}")
+    dot_fp32 = interpreting() or x.dtype == torch.float32
+    precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
+    grid = (triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k),)
+    fused[grid](
+        x2, dy2, w_view, *state_args, *exports,
+        mix_seed(seed, step), T, N, K, n_blocks(K),
+        x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
+        W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
+        DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
+        BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _commit_scalars(state, scalar_updates)
+
+
+def step(
+    spec: SpecLike,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: MutableMapping[str, torch.Tensor],
+    *,
+    step: int,
+    seed: int = 0,
+    rounding: str = "stochastic",
+    **hypers: Any,
+) -> None:
+    """Update `param` and `state` in place from a materialized gradient (element-wise kernel).
+
+    Args:
+        spec: built-in name, path to a `.fopt`, or loaded spec.
+        param: any shape, contiguous, float32 or bfloat16.
+        grad: same shape, float32 or bfloat16, contiguous.
+        state: from `forge_dsl.init_state(spec, param, layout=...)`.
+        step, seed, rounding, **hypers: as for `fused_linear_step`.
+    """
+    spec = load_spec(spec)
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+    if grad.shape != param.shape:
+        raise ValueError(f"grad has shape {tuple(grad.shape)} but param has {tuple(param.shape)}; they must match")
+    if not param.is_contiguous():
+        raise ValueError("param must be contiguous (it is updated in place)")
+    for t, what in ((param, "param"), (grad, "grad")):
+        _check_device(t, what)
+        if t.device != param.device:
+            raise ValueError(f"{what} is on {t.device} but param is on {param.device}")
+    grad = grad.contiguous()
+    p_view, p_bf16 = _weight_view(param, "param")
+    g_view, g_bf16 = _weight_view(grad, "grad")
+    _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    state_args, layouts = _prepare_state(spec, names, state, param)
+    rows, cols = as_rows(param).shape
+    if rows * cols == 0:
+        _commit_scalars(state, scalar_updates)
+        return
+    block_n, block_k, num_warps = step_config(rows, cols, param.device)
+    grid = (triton_cdiv(rows, block_n), triton_cdiv(cols, block_k))
+    elementwise[grid](
+        p_view, g_view, *state_args, *exports,
+        mix_seed(seed, step), rows, cols, n_blocks(cols),
+        W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    _commit_scalars(state, scalar_updates)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
