@@ -1,0 +1,379 @@
+"""Generated kernels against the reference step, for every spec × layout × weight dtype.
+
+The reference is `forge_dsl.reference_step` in float64 applied to the dW that
+PyTorch computes (in float64) from the same X and dY.  On a CPU-only machine
+the kernels run in the Triton interpreter; with CUDA the same tests run
+compiled on the GPU.
+
+Tolerances follow from what each layout rounds (see `bound`):
+  * fp32 weights and fp32 state: only fp32 arithmetic differs; relative error
+    (‖a − b‖ / ‖b‖) ≤ 1e-5 after 3 steps, without re-synchronising.
+  * quantized layouts: checked one step at a time from the kernel's own
+    previous (dequantized) values, element by element: the kernel computes the
+    update in fp32 registers and rounds once on store, so each element is
+    within the layout's rounding bound of the exact value, plus fp32 slack.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import forge_dsl
+from forge_dsl import kernels
+from forge_dsl.checker import combinations, describe_combo
+from forge_dsl.layouts import StateLayout, as_rows, dequantize, n_blocks
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SPECS = forge_dsl.builtin_names()
+HYPERS = {"sgd_momentum": {"momentum": 0.9}, "lion": {"lr": 1e-3}}
+N, K, T = 72, 136, 40  # none a multiple of the 64-wide blocks
+FP32_REL_TOL = 1e-5
+FP32_SLACK = 2e-5  # relative fp32 arithmetic allowance per element (dW over T tokens, then the update)
+
+
+def hypers_for(name: str, **extra) -> dict:
+    kw = {"lr": 1e-2}
+    kw.update(HYPERS.get(name, {}))
+    kw.update(extra)
+    return kw
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def layout_code(t: torch.Tensor) -> StateLayout:
+    return {torch.float32: StateLayout.FP32, torch.bfloat16: StateLayout.BF16, torch.int8: StateLayout.INT8,
+            torch.uint8: StateLayout.UINT8_SQRT}[t.dtype]
+
+
+def as_float64_state(state: dict, spec) -> dict:
+    out = {}
+    for s in spec.states:
+        if s.name in state:
+            t = state[s.name]
+            scale = state.get(f"{s.name}.scale")
+            out[s.name] = dequantize(t.cpu(), None if scale is None else scale.cpu(), layout_code(t)).double()
+    for s in spec.scalars:
+        out[s.name] = state[s.name].clone()
+    return out
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 numbers at |x| (8 significant bits)."""
+    mag = x.abs().clamp_min(2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(mag)) - 7)
+
+
+def block_scale(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over each 64-wide block of each row, broadcast back per element."""
+    x2 = as_rows(x)
+    rows, cols = x2.shape
+    nb = n_blocks(cols)
+    pad = torch.nn.functional.pad(x2.abs(), (0, nb * 64 - cols)).reshape(rows, nb, 64).amax(-1)
+    return pad.repeat_interleave(64, dim=1)[:, :cols].reshape(x.shape)
+
+
+def bound(layout: StateLayout, ref: torch.Tensor, stored_scale_of: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on |stored − exact| for one rounding into `layout`."""
+    # fp32 arithmetic: relative to the element, plus a floor relative to the tensor (dW elements that
+    # cancel over the T tokens carry an absolute error of about sqrt(T)·u·max|dW|).
+    slack = FP32_SLACK * ref.abs() + 1e-5 * ref.abs().max()
+    if layout == StateLayout.FP32:
+        return slack
+    if layout == StateLayout.BF16:
+        return 0.5 * bf16_ulp(ref) + slack
+    scale = block_scale(stored_scale_of)
+    if layout == StateLayout.INT8:
+        return scale / 254 * (1 + 1e-5) + slack
+    # UINT8_SQRT: half the gap between the codes around x, plus scale / (4 * 255**2)
+    u = torch.sqrt(ref.clamp_min(0) / scale.clamp_min(1e-30)) * 255
+    gap = scale * ((u.floor() + 1) ** 2 - u.floor() ** 2) / 255**2
+    return 0.5 * gap + scale / (4 * 255**2) * (1 + 1e-5) + slack
+
+
+def make_problem(seed: int, w_dtype: torch.dtype, n=N, k=K, t=T):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.5
+    x = torch.randn(t, k, generator=gen)
+    dy = torch.randn(t, n, generator=gen) * 0.1
+    act = torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float32
+    return w.to(w_dtype).to(DEVICE), x.to(act).to(DEVICE), dy.to(act).to(DEVICE)
+
+
+def layout_for(spec, which: str):
+    if which != "mixed":
+        return which
+    names = list(spec.state_names)
+    choices = ["int8", "bf16", "fp32"]
+    return {name: choices[i % 3] for i, name in enumerate(names)}
+
+
+# ----------------------------------------------------------------------------
+# fp32 weights and state: 3 steps, no re-synchronisation
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "step"])
+@pytest.mark.parametrize("name", SPECS)
+def test_fp32_three_steps(name, fused):
+    spec = forge_dsl.load_spec(name)
+    kw = hypers_for(name)
+    w, x, dy = make_problem(1, torch.float32)
+    ref_w = w.double().cpu()
+    ref_state = forge_dsl.init_state(spec, ref_w, **kw)
+    state = forge_dsl.init_state(spec, w, layout="fp32", **kw)
+    for step in range(1, 4):
+        gen = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(x.shape, generator=gen).to(DEVICE)
+        dy = (torch.randn(dy.shape, generator=gen) * 0.1).to(DEVICE)
+        dw = dy.double().cpu().T @ x.double().cpu()
+        if fused:
+            kernels.fused_linear_step(spec, x, dy, w, state, step=step, **kw)
+        else:
+            kernels.step(spec, w, (dy.T @ x).contiguous(), state, step=step, **kw)
+        forge_dsl.reference_step(spec, ref_w, dw, ref_state, step=step, **kw)
+    assert rel_err(w, ref_w) <= FP32_REL_TOL
+    for s in spec.states:
+        if s.name in ref_state:
+            assert rel_err(state[s.name], ref_state[s.name]) <= FP32_REL_TOL, s.name
+    for s in spec.scalars:
+        assert float(state[s.name]) == pytest.approx(float(ref_state[s.name]), rel=1e-12)
+
+
+VARIANTS = [(name, combo) for name in SPECS for combo in combinations(forge_dsl.load_spec(name))]
+
+
+@pytest.mark.parametrize("name, combo", VARIANTS, ids=[f"{n}[{describe_combo(c)}]" for n, c in VARIANTS])
+def test_every_flag_combination(name, combo):
+    """Each generated variant (flag combination) against the reference, fused kernel, fp32."""
+    spec = forge_dsl.load_spec(name)
+    flags = dict(combo)
+    kw = hypers_for(name)
+    derived = {d.name for d in spec.derived}
+    for flag, value in flags.items():
+        if flag in derived:  # rmsprop's has_momentum follows from momentum
+            kw["momentum"] = 0.9 if value else 0.0
+        else:
+            kw[flag] = value
+    if kw.get("nesterov"):
+        kw["dampening"] = 0.0
+    w, x, dy = make_problem(2, torch.float32, n=40, k=70, t=24)
+    ref_w = w.double().cpu()
+    ref_state = forge_dsl.init_state(spec, ref_w, **kw)
+    state = forge_dsl.init_state(spec, w, layout="fp32", **kw)
+    for step in range(1, 3):
+        kernels.fused_linear_step(spec, x, dy, w, state, step=step, **kw)
+        forge_dsl.reference_step(spec, ref_w, dy.double().cpu().T @ x.double().cpu(), ref_state, step=step, **kw)
+    assert rel_err(w, ref_w) <= FP32_REL_TOL
+
+
+# ----------------------------------------------------------------------------
+# Every layout × weight dtype: one step at a time, element-wise rounding bounds
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
+@pytest.mark.parametrize("layout", ["fp32", "bf16", "int8", "mixed"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "step"])
+@pytest.mark.parametrize("name", SPECS)
+def test_layouts(name, fused, layout, w_dtype):
+    spec = forge_dsl.load_spec(name)
+    kw = hypers_for(name)
+    w, x, dy = make_problem(3, w_dtype)
+    state = forge_dsl.init_state(spec, w, layout=layout_for(spec, layout), **kw)
+    for step in range(1, 4):
+        # Reference from the kernel's own current values, in float64.
+        ref_w = w.double().cpu()
+        ref_state = as_float64_state(state, spec)
+        dw = dy.double().cpu().T @ x.double().cpu()
+        forge_dsl.reference_step(spec, ref_w, dw, ref_state, step=step, **kw)
+        if fused:
+            kernels.fused_linear_step(spec, x, dy, w, state, step=step, seed=7, **kw)
+        else:
+            kernels.step(spec, w, dw.float().to(DEVICE), state, step=step, seed=7, **kw)
+        got_w = w.double().cpu()
+        if w_dtype == torch.float32:
+            tol_w = bound(StateLayout.FP32, ref_w, ref_w)
+        else:  # stochastic rounding lands on one of the two bf16 neighbours of the exact value
+            tol_w = bf16_ulp(ref_w) * (1 + 1e-3) + FP32_SLACK * ref_w.abs() + 1e-5 * ref_w.abs().max()
+        excess = ((got_w - ref_w).abs() - tol_w).max().item()
+        assert excess <= 0, f"step {step}: weight off by {excess:.3e} beyond its bound"
+        for s in spec.states:
+            if s.name not in state:
+                continue
+            got = as_float64_state(state, spec)[s.name]
+            ref = ref_state[s.name]
+            lay = layout_code(state[s.name])
+            tol = bound(lay, ref, got if lay in (StateLayout.INT8, StateLayout.UINT8_SQRT) else ref)
+            excess = ((got - ref).abs() - tol).max().item()
+            assert excess <= 0, f"step {step}: state {s.name} ({lay.name}) off by {excess:.3e} beyond its bound"
+        # dy/x change every step (fresh data)
+        gen = torch.Generator().manual_seed(1000 + step)
+        x = torch.randn(x.shape, generator=gen).to(x.dtype).to(DEVICE)
+        dy = (torch.randn(dy.shape, generator=gen) * 0.1).to(dy.dtype).to(DEVICE)
+
+
+# ----------------------------------------------------------------------------
+# Stochastic rounding at the kernel level
+# ----------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_keeps_sub_ulp_updates_nearest_loses_them():
+    """SGD with lr·g = 1e-4 on weights near 1 (bf16 ulp 2^-7 ≈ 7.8e-3): 40 steps."""
+    shape = (64, 256)
+    steps, delta = 40, 1e-4
+    results = {}
+    for rounding in ("stochastic", "nearest"):
+        w = torch.ones(shape, dtype=torch.bfloat16, device=DEVICE)
+        g = torch.full(shape, 1.0, dtype=torch.float32, device=DEVICE)
+        state = forge_dsl.init_state("sgd", w, layout="fp32")
+        for step in range(1, steps + 1):
+            kernels.step("sgd", w, g, state, step=step, seed=3, rounding=rounding, lr=delta)
+        results[rounding] = w.double().mean().item()
+    expected = 1.0 - steps * delta
+    # Each element: a sum of `steps` independent rounding errors, each of variance ≤ ulp²/4
+    # (ulp ≤ 2^-7 here); the mean over all elements has std ≤ ulp·sqrt(steps)/2/sqrt(numel).
+    std = 2.0**-7 * math.sqrt(steps) / 2 / math.sqrt(shape[0] * shape[1])
+    assert abs(results["stochastic"] - expected) <= 5 * std, (results, expected, std)
+    assert results["nearest"] == 1.0  # every update is below half an ulp: nearest rounding loses all of them
+
+
+def test_stochastic_rounding_depends_on_seed_step_and_index_only():
+    w0 = torch.randn(72, 136).to(torch.bfloat16).to(DEVICE)
+    g = torch.randn(72, 136, device=DEVICE)
+    outs = []
+    for config in [kernels.TileConfig(64, 64, 64, num_warps=4, num_stages=1),
+                   kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1)]:
+        w = w0.clone()
+        st = forge_dsl.init_state("sgd", w, layout="fp32")
+        x = torch.eye(136, device=DEVICE, dtype=torch.bfloat16)[:64]  # T=64 tokens
+        dy = torch.zeros(64, 72, device=DEVICE, dtype=torch.bfloat16)
+        kernels.fused_linear_step("sgd", x, dy, w, st, step=5, seed=11, config=config, lr=1e-3, weight_decay=0.1)
+        outs.append(w.clone())
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    w = w0.clone()
+    st = forge_dsl.init_state("sgd", w, layout="fp32")
+    kernels.step("sgd", w, torch.zeros_like(g), st, step=6, seed=11, lr=1e-3, weight_decay=0.1)
+    assert not torch.equal(w.view(torch.int16), outs[0].view(torch.int16))  # another step: other bits
+
+
+# ----------------------------------------------------------------------------
+# Shapes, zero tokens, strides, errors
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "lion"])
+def test_zero_tokens_is_a_zero_gradient_step(name):
+    spec = forge_dsl.load_spec(name)
+    kw = hypers_for(name, weight_decay=0.1)
+    w, _, _ = make_problem(4, torch.float32)
+    x = torch.empty(0, K, device=DEVICE)
+    dy = torch.empty(0, N, device=DEVICE)
+    ref_w = w.double().cpu()
+    ref_state = forge_dsl.init_state(spec, ref_w, **kw)
+    state = forge_dsl.init_state(spec, w, layout="fp32", **kw)
+    kernels.fused_linear_step(spec, x, dy, w, state, step=1, **kw)
+    forge_dsl.reference_step(spec, ref_w, torch.zeros_like(ref_w), ref_state, step=1, **kw)
+    assert rel_err(w, ref_w) <= FP32_REL_TOL
+    assert not torch.equal(w.double().cpu(), make_problem(4, torch.float32)[0].double().cpu())  # decay acted
+
+
+def test_strided_activations_and_leading_dims():
+    w, x, dy = make_problem(5, torch.float32)
+    ref_w = w.clone()
+    st1 = forge_dsl.init_state("adamw", w, layout="fp32")
+    st2 = forge_dsl.init_state("adamw", ref_w, layout="fp32")
+    x3 = x.reshape(4, 10, K)
+    xt = x.T.contiguous().T  # same values, column-major strides
+    kernels.fused_linear_step("adamw", x3, dy.reshape(4, 10, N), w, st1, step=1)
+    kernels.fused_linear_step("adamw", xt, dy, ref_w, st2, step=1)
+    assert rel_err(w, ref_w) <= 1e-6
+
+
+def test_launcher_errors_are_clear():
+    w, x, dy = make_problem(6, torch.float32)
+    st = forge_dsl.init_state("adamw", w, layout="fp32")
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        kernels.fused_linear_step("adamw", x, dy, torch.randn(K, N, device=DEVICE).T, st, step=1)
+    with pytest.raises(ValueError, match="x has 3 features"):
+        kernels.fused_linear_step("adamw", x[:, :3], dy, w, st, step=1)
+    with pytest.raises(ValueError, match="same leading"):
+        kernels.fused_linear_step("adamw", x[:5], dy, w, st, step=1)
+    with pytest.raises(ValueError, match="step must be a positive integer"):
+        kernels.fused_linear_step("adamw", x, dy, w, st, step=0)
+    with pytest.raises(ValueError, match="Invalid betas\\[1\\] \\(beta2\\): 1.0"):
+        kernels.fused_linear_step("adamw", x, dy, w, st, step=1, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="state has no 'max_exp_avg_sq'"):
+        kernels.fused_linear_step("adamw", x, dy, w, st, step=1, amsgrad=True)
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        kernels.step("adamw", w, w.clone(), st, step=1, rounding="up")
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        kernels.step("adamw", w.half(), w.half(), forge_dsl.init_state("adamw", w.half(), layout="fp32"), step=1)
+    with pytest.raises(TypeError, match="did you mean 'lr'"):
+        kernels.step("adamw", w, w.clone(), st, step=1, lrr=0.1)
+
+
+def test_user_spec_compiles_on_first_use(tmp_path, monkeypatch):
+    """A new optimizer needs no compiler change: Adamax, checked against torch.optim.Adamax."""
+    monkeypatch.setenv("FORGE_DSL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "adamax.fopt"
+    path.write_text(ADAMAX)
+    w, x, dy = make_problem(8, torch.float32)
+    theirs = w.detach().cpu().double().clone().requires_grad_(True)
+    opt = torch.optim.Adamax([theirs], lr=1e-2, weight_decay=0.01)
+    state = forge_dsl.init_state(str(path), w, layout="fp32")
+    for step in range(1, 4):
+        kernels.fused_linear_step(str(path), x, dy, w, state, step=step, lr=1e-2, weight_decay=0.01)
+        theirs.grad = dy.double().cpu().T @ x.double().cpu()
+        opt.step()
+    assert rel_err(w, theirs.detach()) <= FP32_REL_TOL
+    assert any((tmp_path / "cache").glob("adamax_*.py"))
+
+
+ADAMAX = """
+# Adamax (Kingma & Ba, 2015, section 7.1), as torch.optim.Adamax computes it.
+optimizer adamax "torch.optim.Adamax"
+hyper lr = 2e-3 in [0, inf)
+hyper betas = (beta1 = 0.9, beta2 = 0.999) in [0, 1)
+hyper eps = 1e-8 in [0, inf)
+hyper weight_decay = 0 in [0, inf)
+flag maximize = false
+state exp_avg = 0
+state exp_inf = 0 nonneg
+update {
+    g = where(maximize, -grad, grad) + weight_decay * param
+    exp_avg = exp_avg + (1 - beta1) * (g - exp_avg)
+    exp_inf = max(beta2 * exp_inf, abs(g) + eps)
+    param = param - lr / (1 - beta1 ** step) * exp_avg / exp_inf
+}
+"""
+
+
+# ----------------------------------------------------------------------------
+# GPU only: a large shape against cuBLAS dW + the reference step
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
+def test_large_shape_against_cublas(w_dtype):
+    n, k, t = 4096, 4096, 2048
+    spec = forge_dsl.load_spec("adamw")
+    w, x, dy = make_problem(9, w_dtype, n=n, k=k, t=t)
+    state = forge_dsl.init_state(spec, w, layout="fp32")
+    ref_w = w.float().clone()
+    ref_state = forge_dsl.init_state(spec, ref_w)
+    dw = (dy.float().T @ x.float())  # cuBLAS
+    forge_dsl.reference_step(spec, ref_w, dw, ref_state, step=1, lr=1e-3)
+    kernels.fused_linear_step(spec, x, dy, w, state, step=1, lr=1e-3)
+    if w_dtype == torch.float32:
+        assert rel_err(w, ref_w) <= FP32_REL_TOL
+    else:
+        excess = ((w.float() - ref_w).abs() - bf16_ulp(ref_w) * 1.001 - 1e-4 * ref_w.abs()).max().item()
+        assert excess <= 0
+    assert rel_err(state["exp_avg"], ref_state["exp_avg"]) <= 1e-4
