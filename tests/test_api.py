@@ -1,0 +1,138 @@
+"""The public API: load_spec, init_state, reference_step keywords and their validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import forge_dsl
+
+
+def test_load_by_name_path_or_spec():
+    spec = forge_dsl.load_spec("adamw")
+    assert spec.name == "adamw"
+    assert forge_dsl.load_spec(spec) is spec
+    from forge_dsl.api import builtin_path
+
+    assert forge_dsl.load_spec(str(builtin_path("adamw"))) == spec
+    assert spec.hyper_names == ("lr", "beta1", "beta2", "eps", "weight_decay")
+    assert spec.state_names == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    assert forge_dsl.builtin_names() == ["adagrad", "adamw", "lion", "nadam", "radam", "rmsprop", "sgd", "sgd_momentum"]
+
+
+def test_unknown_builtin_suggests():
+    with pytest.raises(FileNotFoundError, match="did you mean 'adamw'"):
+        forge_dsl.load_spec("adamww")
+
+
+def test_init_state_follows_flags_and_initial_values():
+    p = torch.randn(3, 4, dtype=torch.float64)
+    assert set(forge_dsl.init_state("adamw", p)) == {"exp_avg", "exp_avg_sq"}
+    assert set(forge_dsl.init_state("adamw", p, amsgrad=True)) == {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    st = forge_dsl.init_state("adagrad", p, initial_accumulator_value=0.25)
+    assert st["sum"].dtype == torch.float64 and torch.all(st["sum"] == 0.25)
+    st = forge_dsl.init_state("nadam", p)
+    assert st["mu_product"].shape == () and float(st["mu_product"]) == 1.0
+    assert set(forge_dsl.init_state("rmsprop", p, momentum=0.9, centered=True)) == {
+        "square_avg", "grad_avg", "momentum_buffer"}
+
+
+def test_init_state_layouts():
+    p = torch.randn(8, 130)
+    st = forge_dsl.init_state("adamw", p, layout="int8")
+    assert st["exp_avg"].dtype == torch.int8 and st["exp_avg_sq"].dtype == torch.uint8  # nonneg → unsigned map
+    assert st["exp_avg.scale"].shape == (8, 3)
+    st = forge_dsl.init_state("adamw", p, layout={"exp_avg": "bf16"})
+    assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg_sq"].dtype == torch.float32
+    small = forge_dsl.init_state("adamw", torch.randn(5, 10), layout="int8")
+    assert small["exp_avg"].dtype == torch.float32  # smaller than one 64-element block: stays fp32
+    with pytest.raises(ValueError, match="unknown states"):
+        forge_dsl.init_state("adamw", p, layout={"exp_avgg": "bf16"})
+    with pytest.raises(ValueError, match="unknown state layout 'fp8'"):
+        forge_dsl.init_state("adamw", p, layout="fp8")
+
+
+def _step(name, **kw):
+    p = torch.randn(2, 3, dtype=torch.float64)
+    st = forge_dsl.init_state(name, p, **{k: v for k, v in kw.items()})
+    forge_dsl.reference_step(name, p, torch.randn_like(p), st, step=1, **kw)
+
+
+@pytest.mark.parametrize("name, kw, message", [
+    ("adamw", {"lr": -1.0}, r"Invalid lr: -1.0; adamw expects a value in \[0, inf\)"),
+    ("adamw", {"betas": (1.0, 0.999)}, r"Invalid betas\[0\] \(beta1\): 1.0; adamw expects a value in \[0, 1\)"),
+    ("adamw", {"beta2": -0.1}, r"Invalid betas\[1\] \(beta2\): -0.1"),
+    ("adamw", {"eps": float("nan")}, r"Invalid eps: nan"),
+    ("rmsprop", {"alpha": -0.5}, r"Invalid alpha: -0.5"),
+    ("adagrad", {"lr_decay": -1.0}, r"Invalid lr_decay: -1.0"),
+    ("sgd_momentum", {"momentum": 0.0}, r"Invalid momentum: 0.0; sgd_momentum expects a value in \(0, inf\)"),
+    ("sgd_momentum", {"momentum": 0.9, "nesterov": True, "dampening": 0.1},
+     "Nesterov momentum requires a momentum and zero dampening"),
+    ("adamw", {"amsgrad": 1}, "amsgrad must be True or False"),
+    ("adamw", {"lr": "0.1"}, "lr must be a number"),
+    ("adamw", {"betas": (0.9,)}, "betas must be a tuple of 2 numbers"),
+])
+def test_bad_hyperparameters_raise_value_error(name, kw, message):
+    with pytest.raises(ValueError, match=message):
+        _step(name, **kw)
+
+
+def test_keyword_errors_are_type_errors():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lrr'.*did you mean 'lr'"):
+        _step("adamw", lrr=0.1)
+    with pytest.raises(TypeError, match="missing required keyword argument 'momentum'"):
+        _step("sgd_momentum")
+    with pytest.raises(TypeError, match="both 'betas' and its member 'beta1'"):
+        _step("adamw", betas=(0.9, 0.99), beta1=0.8)
+
+
+def test_tuple_members_by_name_equal_the_tuple():
+    p = torch.randn(4, 4, dtype=torch.float64)
+    g = torch.randn_like(p)
+    a, b = p.clone(), p.clone()
+    sa, sb = forge_dsl.init_state("adamw", a), forge_dsl.init_state("adamw", b)
+    forge_dsl.reference_step("adamw", a, g, sa, step=1, betas=(0.8, 0.95))
+    forge_dsl.reference_step("adamw", b, g, sb, step=1, beta1=0.8, beta2=0.95)
+    assert torch.equal(a, b)
+
+
+def test_tensor_lr_is_accepted_like_torch():
+    _step("adamw", lr=torch.tensor(0.01))
+
+
+def test_reference_step_rejects_mismatched_state():
+    p = torch.randn(2, 3, dtype=torch.float64)
+    st = forge_dsl.init_state("adamw", p)
+    with pytest.raises(ValueError, match="state has no 'max_exp_avg_sq'"):
+        forge_dsl.reference_step("adamw", p, torch.randn_like(p), st, step=1, amsgrad=True)
+    with pytest.raises(ValueError, match="step must be a positive integer"):
+        forge_dsl.reference_step("adamw", p, torch.randn_like(p), st, step=0)
+    with pytest.raises(ValueError, match="grad has shape"):
+        forge_dsl.reference_step("adamw", p, torch.randn(3, 2, dtype=torch.float64), st, step=1)
+
+
+def test_reference_step_float32_close_to_float64():
+    p64 = torch.randn(16, 16, dtype=torch.float64)
+    p32 = p64.float()
+    s64, s32 = forge_dsl.init_state("radam", p64), forge_dsl.init_state("radam", p32)
+    for step in range(1, 8):
+        g = torch.randn_like(p64)
+        forge_dsl.reference_step("radam", p64, g, s64, step=step, betas=(0.9, 0.9))
+        forge_dsl.reference_step("radam", p32, g.float(), s32, step=step, betas=(0.9, 0.9))
+    assert ((p32.double() - p64).norm() / p64.norm()).item() < 1e-6
+
+
+def test_lowering_hoists_host_scalars_and_shares_subexpressions():
+    from forge_dsl.lowering import lower
+
+    spec = forge_dsl.load_spec("adamw")
+    low = lower(spec, (("amsgrad", False), ("maximize", False)))
+    host_ops = {i.op for i in low.host}
+    assert "pow" in host_ops  # beta ** step: once per step, on the host
+    assert all(i.op != "pow" for i in low.elem)
+    # grad * grad appears once; bias corrections never reach the per-element program
+    assert not any("bias_correction" in i.name for i in low.elem)
+    elem_texts = [(i.op, i.args) for i in low.elem]
+    assert len(elem_texts) == len(set(elem_texts))  # CSE: no instruction computed twice
+    # dividing by a host scalar becomes a multiply by its reciprocal
+    assert any(i.op == "recip" for i in low.host)
