@@ -374,6 +374,10 @@ def test_large_shape_against_cublas(w_dtype):
     if w_dtype == torch.float32:
         assert rel_err(w, ref_w) <= FP32_REL_TOL
     else:
-        excess = ((w.float() - ref_w).abs() - bf16_ulp(ref_w) * 1.001 - 1e-4 * ref_w.abs()).max().item()
-        assert excess <= 0
+        # Stochastic rounding lands each weight on a bf16 neighbour of the exact value.  The
+        # exception: elements whose dW is below the GEMMs' rounding error (a few per 16M here)
+        # may take Adam's first step (±lr) with the other sign, in the kernel or in cuBLAS.
+        outside = ((w.float() - ref_w).abs() > bf16_ulp(ref_w) * 1.001 + 1e-4 * ref_w.abs()).sum().item()
+        assert outside <= 1e-5 * w.numel(), outside
+        assert rel_err(w, ref_w) <= 2.0**-8
     assert rel_err(state["exp_avg"], ref_state["exp_avg"]) <= 1e-4
