@@ -1,0 +1,290 @@
+"""Triton helpers that generated optimizer kernels call to load and store weights and state.
+
+Every helper works on a 2-D register tile `[BLOCK_N, BLOCK_K]` of a row-major,
+contiguous 2-D tensor with `n_cols` columns (see `forge_dsl.layouts.as_rows`).
+`BLOCK_K` is a multiple of 64 and tiles start at column multiples of `BLOCK_K`,
+so an int8 block (64 consecutive elements of a row) never straddles two tiles.
+
+The layouts and formulas are those of `forge_dsl.layouts` (read its docstring):
+the helpers follow them operation for operation, in fp32, so the Triton
+interpreter, the compiled kernel and the torch reference agree bit for bit.
+What makes that hold:
+
+* bf16 is read and written as int16 bit patterns (pass `t.view(torch.int16)`):
+  the interpreter truncates fp32 → bf16 on a store while the GPU rounds, so the
+  rounding is done here on integer bits.
+* divisions and square roots use `tl.div_rn` / `tl.sqrt_rn` (IEEE; plain `/`
+  and `tl.sqrt` are approximate on NVIDIA GPUs).
+* no product feeds an addition inside a helper (the GPU compiler would fuse
+  them into one FMA and round once instead of twice); rounding to an integer
+  compares `y >= floor(y) + 0.5` instead of computing `floor(y + 0.5)`.
+* block maxima are integer maxima of fp32 bit patterns (order-independent,
+  NaN-propagating the same way on every backend).
+
+What the CALLER must know for bit-exact interpreter/GPU agreement: a value
+returned by `load_state` (a product `q * step`, or `(scale * r) * r`) that
+the kernel then adds to something can be contracted into an FMA by the GPU
+compiler; so can any `a * b + c` in the optimizer math itself. Launch the
+kernel with `enable_fp_fusion=False` when results must match the interpreter
+bit for bit.
+
+Layout codes are the plain ints of `forge_dsl.layouts.StateLayout`:
+0 = FP32, 1 = BF16, 2 = INT8, 3 = UINT8_SQRT.
+
+Masks: `mask` must be the in-bounds mask of the tile (as from `tile_offsets`),
+possibly further restricted to whole rows. The int8 helpers set a block's scale
+from the unmasked elements only, so masking part of a block that is inside the
+tensor would leave the masked elements' codes with a stale scale.
+"""
+
+import triton
+import triton.language as tl
+
+# Layout codes, equal to forge_dsl.layouts.StateLayout. Module-level constants
+# must be `tl.constexpr(...)` objects for jit code to read them (the interpreter
+# accepts plain globals, the compiler does not).
+LAYOUT_FP32 = tl.constexpr(0)
+LAYOUT_BF16 = tl.constexpr(1)
+LAYOUT_INT8 = tl.constexpr(2)
+LAYOUT_UINT8_SQRT = tl.constexpr(3)
+
+QBLOCK = tl.constexpr(64)  # forge_dsl.layouts.BLOCK
+# fp32(1/255), the exact constant forge_dsl.layouts.R255.
+# (The jit code spells these three as literals: the 3.9 interpreter cannot do
+# `int % constexpr`, and literals behave the same everywhere.)
+R255 = tl.constexpr(0.003921568859368563)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+__all__ = [
+    "tile_offsets",
+    "bf16_bits_to_fp32",
+    "fp32_to_bf16_bits_rne",
+    "fp32_to_bf16_bits_stochastic",
+    "load_weight",
+    "store_weight",
+    "load_state",
+    "store_state",
+]
+
+
+@triton.jit
+def tile_offsets(offs_n, offs_k, n_rows, n_cols):
+    """Element offsets and in-bounds mask of a tile.
+
+    Args:
+        offs_n: [BLOCK_N] row indices; offs_k: [BLOCK_K] column indices.
+    Returns:
+        (offs, mask): offs [BLOCK_N, BLOCK_K] int64 = row * n_cols + col;
+        mask [BLOCK_N, BLOCK_K] = (row < n_rows) & (col < n_cols).
+    """
+    rows = offs_n.to(tl.int64)[:, None]
+    cols = offs_k.to(tl.int64)[None, :]
+    offs = rows * n_cols + cols
+    mask = (rows < n_rows) & (cols < n_cols)
+    return offs, mask
+
+
+# ---------------------------------------------------------------------------
+# bf16 on integer bits
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def bf16_bits_to_fp32(bits):
+    """int16 bf16 bit patterns → fp32 (exact)."""
+    w = bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+    return w.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp32_to_bf16_bits_rne(x):
+    """fp32 → int16 bf16 bit patterns, round to nearest even; NaN → 0x7FC0, inf kept."""
+    b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    r = (b + (((b >> 16) & 1) + 0x7FFF)) >> 16
+    r = tl.where(x != x, 0x7FC0, r)
+    return r.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def fp32_to_bf16_bits_stochastic(x, offs, seed):
+    """fp32 → int16 bf16 bit patterns, stochastic rounding; NaN → 0x7FC0, inf kept.
+
+    Adds 16 random bits to the fp32 pattern and truncates, so a value rounds up
+    with probability (its low 16 bits) / 65536: unbiased. The random bits are
+    `tl.randint(seed, offs as uint32)`: a function of (seed, element index mod 2**32)
+    only, never of the tile shape.
+    """
+    b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    rnd = tl.randint(seed, offs.to(tl.uint32))
+    r = (b + (rnd & 0xFFFF)) >> 16
+    r = tl.where(x != x, 0x7FC0, r)
+    return r.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+# ---------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def load_weight(ptr, offs, mask, W_BF16: tl.constexpr):
+    """Load a weight tile as fp32 (masked elements read 0).
+
+    W_BF16: the weight is bf16, and `ptr` points at its int16 view.
+    """
+    if W_BF16:
+        tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 weights must be passed as t.view(torch.int16)")
+        bits = tl.load(ptr + offs, mask=mask, other=0)
+        return bf16_bits_to_fp32(bits)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_weight(ptr, value, offs, mask, seed, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Store an fp32 weight tile.
+
+    W_BF16: the weight is bf16 and `ptr` points at its int16 view; it is
+    rounded to nearest even, or stochastically when STOCHASTIC (ignored for fp32).
+
+    seed: a Python int in [0, 2**63), the Philox key (widened to uint64). The
+    caller mixes (user seed, step) into it; the random bits of element `offs`
+    depend only on (seed, offs mod 2**32). Interpreter and GPU give the same
+    bits for seeds 0, 1, 7, 2**31 - 1, 2**31 + 3, 2**40 + 12345 and 2**63 - 1
+    (tests/test_triton_lib.py). Triton types an int argument by its value (i32
+    below 2**31, then u32 / i64) and specializes values equal to 1 or divisible
+    by 16, so a seed that changes every step should stay in one range (e.g.
+    [0, 2**31)) and be listed in the kernel's `do_not_specialize`, or the kernel
+    recompiles for some steps.
+    """
+    if W_BF16:
+        tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 weights must be passed as t.view(torch.int16)")
+        if STOCHASTIC:
+            bits = fp32_to_bf16_bits_stochastic(value, offs, seed)
+        else:
+            bits = fp32_to_bf16_bits_rne(value)
+        tl.store(ptr + offs, bits, mask=mask)
+    else:
+        tl.store(ptr + offs, value.to(tl.float32), mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# state
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_mask(mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // 64]: the block holds at least one unmasked element."""
+    m3 = tl.reshape(mask.to(tl.int32), (BLOCK_N, BLOCK_K // 64, 64))
+    return tl.max(m3, axis=2) > 0
+
+
+@triton.jit
+def _scale_offsets(offs_n, k_start, n_blocks, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // 64] int64 offsets of the tile's block scales."""
+    j = tl.arange(0, BLOCK_K // 64)
+    first = tl.cast(k_start // 64, tl.int64)
+    return offs_n.to(tl.int64)[:, None] * n_blocks + (first + j)[None, :]
+
+
+@triton.jit
+def _broadcast_blocks(s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // 64] per-block values → [BLOCK_N, BLOCK_K] per element."""
+    s3 = tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 64, 64))
+    return tl.reshape(s3, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _round_half_up(y):
+    """Exact round-half-up of y to an integer-valued fp32 (no add after a multiply)."""
+    f = tl.floor(y)
+    return tl.where(y >= f + 0.5, f + 1.0, f)
+
+
+@triton.jit
+def load_state(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks,
+               LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Load a state tile as fp32 (masked elements read 0).
+
+    Args:
+        ptr: the storage (fp32; int16 view of bf16; int8; uint8 by LAYOUT).
+        scale_ptr: the fp32 block scales `[rows, n_blocks]` (int8 layouts only;
+            pass any pointer, e.g. the storage, otherwise).
+        offs, mask: from `tile_offsets`.
+        offs_n: the tile's [BLOCK_N] row indices; k_start: its first column
+            (a multiple of BLOCK_K); n_blocks: ceil(n_cols / 64).
+    """
+    if LAYOUT == 0:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    elif LAYOUT == 1:
+        tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 state must be passed as t.view(torch.int16)")
+        bits = tl.load(ptr + offs, mask=mask, other=0)
+        return bf16_bits_to_fp32(bits)
+    else:
+        tl.static_assert(BLOCK_K % 64 == 0, "BLOCK_K must be a multiple of 64")
+        bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
+        scale = tl.load(scale_ptr + _scale_offsets(offs_n, k_start, n_blocks, BLOCK_K), mask=bmask, other=0.0)
+        qf = tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+        if LAYOUT == 2:
+            tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT8 state must be int8")
+            step = tl.div_rn(scale, tl.full(scale.shape, 127.0, tl.float32))
+            return qf * _broadcast_blocks(step, BLOCK_N, BLOCK_K)
+        else:
+            tl.static_assert(LAYOUT == 3, "unknown state layout")
+            tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT8_SQRT state must be uint8")
+            r = qf * 0.003921568859368563  # R255
+            return (_broadcast_blocks(scale, BLOCK_N, BLOCK_K) * r) * r
+
+
+@triton.jit
+def store_state(ptr, scale_ptr, value, offs, mask, offs_n, k_start, n_blocks,
+                LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Store an fp32 state tile in LAYOUT (arguments as for `load_state`).
+
+    INT8 / UINT8_SQRT: each block's scale is computed from the NEW values (masked
+    elements excluded), the codes and the `[BLOCK_N, BLOCK_K // 64]` scales are
+    written (scales at scale_ptr + row * n_blocks + k_start // 64 + j, only for
+    blocks holding an unmasked element). BF16 rounds to nearest even.
+    """
+    if LAYOUT == 0:
+        tl.store(ptr + offs, value.to(tl.float32), mask=mask)
+    elif LAYOUT == 1:
+        tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 state must be passed as t.view(torch.int16)")
+        tl.store(ptr + offs, fp32_to_bf16_bits_rne(value), mask=mask)
+    else:
+        tl.static_assert(BLOCK_K % 64 == 0, "BLOCK_K must be a multiple of 64")
+        NB: tl.constexpr = BLOCK_K // 64
+        x = value.to(tl.float32)
+        # all on integer bits, so no compiler rewrite can change a NaN or a zero's sign
+        bits = x.to(tl.int32, bitcast=True)
+        mag = bits & 0x7FFFFFFF  # |x| (NaN of either sign: > 0x7F800000)
+        if LAYOUT == 3:
+            # negatives and -0 → +0; NaN (either sign) stays NaN
+            mag = tl.where(bits < 0, tl.where(mag > 0x7F800000, mag, 0), mag)
+            x = mag.to(tl.float32, bitcast=True)
+        # block max on the bit patterns (NaN above inf); masked elements count 0
+        amax = tl.max(tl.reshape(tl.where(mask, mag, 0), (BLOCK_N, NB, 64)), axis=2)
+        amax = tl.where(amax > 0x7F800000, 0x7FC00000, amax)  # one NaN pattern for the scale
+        scale = amax.to(tl.float32, bitcast=True)  # [BLOCK_N, NB]
+        ok = (scale > 0.0) & (scale <= 3.4028234663852886e38)  # finite and > 0 (NaN fails both)
+        safe = tl.where(ok, scale, 1.0)
+        if LAYOUT == 2:
+            tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT8 state must be int8")
+            inv = tl.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe)
+            y = x * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)
+            q = tl.minimum(tl.maximum(_round_half_up(y), -127.0), 127.0)
+            q = tl.where(_broadcast_blocks(ok, BLOCK_N, BLOCK_K), q, 0.0)
+            codes = q.to(tl.int32).to(tl.int8)
+        else:
+            tl.static_assert(LAYOUT == 3, "unknown state layout")
+            tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT8_SQRT state must be uint8")
+            okb = _broadcast_blocks(ok, BLOCK_N, BLOCK_K)
+            t = tl.div_rn(tl.where(okb, x, 0.0), _broadcast_blocks(safe, BLOCK_N, BLOCK_K))
+            y = tl.sqrt_rn(t) * 255.0
+            q = tl.minimum(tl.maximum(_round_half_up(y), 0.0), 255.0)
+            q = tl.where(okb, q, 0.0)
+            codes = q.to(tl.int32).to(tl.uint8)
+        tl.store(ptr + offs, codes, mask=mask)
+        bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
+        tl.store(scale_ptr + _scale_offsets(offs_n, k_start, n_blocks, BLOCK_K), scale, mask=bmask)

@@ -1,0 +1,576 @@
+"""forge_dsl.kernels.triton_lib (Triton load/store helpers) against forge_dsl.layouts (torch).
+
+Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1,
+set below before triton is imported); with one they are compiled and run on
+it, and compared with the same CPU torch reference, so a GPU run checks that
+interpreter and GPU agree bit for bit. `test_stochastic_golden_digest` pins
+the stochastic-rounding bits to a digest computed in the interpreter, so the
+GPU run also checks Philox gives the same bits on both.
+
+Test kernels use small shapes and big tiles: the interpreter costs a few ms per
+program.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from forge_dsl import layouts as L  # noqa: E402
+from forge_dsl.kernels import triton_lib as TL  # noqa: E402
+from forge_dsl.layouts import StateLayout  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+# ---------------------------------------------------------------------------
+# test kernels
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _weight_kernel(src, dst, n_rows, n_cols, seed, delta,
+                   SRC_BF16: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+                   ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
+    w = TL.load_weight(src, offs, mask, SRC_BF16)
+    if ADD:
+        w = w + delta
+    TL.store_weight(dst, w, offs, mask, seed, W_BF16, STOCHASTIC)
+
+
+@triton.jit
+def _state_store_kernel(src, q, scale, n_rows, n_cols, n_blocks,
+                        LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * BLOCK_K
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
+    x = tl.load(src + offs, mask=mask, other=0.0)
+    TL.store_state(q, scale, x, offs, mask, offs_n, k_start, n_blocks, LAYOUT, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _state_load_kernel(q, scale, out, n_rows, n_cols, n_blocks,
+                       LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * BLOCK_K
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
+    x = TL.load_state(q, scale, offs, mask, offs_n, k_start, n_blocks, LAYOUT, BLOCK_N, BLOCK_K)
+    tl.store(out + offs, x, mask=mask)
+
+
+@triton.jit
+def _state_update_kernel(q, scale, n_rows, n_cols, n_blocks, mult,
+                         LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """In place: load → multiply → store (the shape of an optimizer step)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * BLOCK_K
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
+    x = TL.load_state(q, scale, offs, mask, offs_n, k_start, n_blocks, LAYOUT, BLOCK_N, BLOCK_K)
+    TL.store_state(q, scale, x * mult, offs, mask, offs_n, k_start, n_blocks, LAYOUT, BLOCK_N, BLOCK_K)
+
+
+# ---------------------------------------------------------------------------
+# launch wrappers (CPU tensors in, CPU tensors out)
+# ---------------------------------------------------------------------------
+
+
+def _grid(rows, cols, bn, bk):
+    return (triton.cdiv(rows, bn), triton.cdiv(cols, bk))
+
+
+def run_weight(src, *, out_bf16=True, stochastic=False, seed=0, delta=None, block=(32, 256)):
+    """src: 2-D fp32 or bf16 CPU tensor → dst (bf16 or fp32) CPU tensor."""
+    rows, cols = src.shape
+    src_bf16 = src.dtype == torch.bfloat16
+    s = src.to(DEVICE).contiguous()
+    s_arg = s.view(torch.int16) if src_bf16 else s
+    dst = torch.empty(rows, cols, dtype=torch.bfloat16 if out_bf16 else torch.float32, device=DEVICE)
+    d_arg = dst.view(torch.int16) if out_bf16 else dst
+    bn, bk = block
+    _weight_kernel[_grid(rows, cols, bn, bk)](
+        s_arg, d_arg, rows, cols, seed, 0.0 if delta is None else float(delta),
+        SRC_BF16=src_bf16, W_BF16=out_bf16, STOCHASTIC=stochastic, ADD=delta is not None,
+        BLOCK_N=bn, BLOCK_K=bk)
+    return dst.cpu()
+
+
+def _storage_arg(t, layout):
+    return t.view(torch.int16) if layout == StateLayout.BF16 else t
+
+
+PAD = 96  # sentinel tail after the storage and the scales: catches out-of-bounds stores
+SENTINEL = {torch.float32: 4096.0, torch.bfloat16: 4096.0, torch.int8: 0x55, torch.uint8: 0xAA}
+
+
+def _alloc_storage(rows, cols, layout):
+    """Storage and scale buffers with a sentinel-filled tail past the real tensor."""
+    dt = L.storage_dtype(layout)
+    qbuf = torch.full((rows * cols + PAD,), SENTINEL[dt], dtype=dt, device=DEVICE)
+    sbuf = torch.full((rows * L.n_blocks(cols) + PAD,), -7.0, dtype=torch.float32, device=DEVICE)
+    return qbuf, sbuf
+
+
+def run_state_store(x, layout, block=(32, 128)):
+    """x: 2-D fp32 CPU → (q [rows, cols], scale [rows, nb] or None, qbuf, sbuf) CPU."""
+    rows, cols = x.shape
+    nb = L.n_blocks(cols)
+    qbuf, sbuf = _alloc_storage(rows, cols, layout)
+    bn, bk = block
+    _state_store_kernel[_grid(rows, cols, bn, bk)](
+        x.to(DEVICE).contiguous(), _storage_arg(qbuf, layout), sbuf, rows, cols, nb,
+        LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
+    qbuf, sbuf = qbuf.cpu(), sbuf.cpu()
+    q = qbuf[: rows * cols].reshape(rows, cols)
+    scale = sbuf[: rows * nb].reshape(rows, nb) if layout in (StateLayout.INT8, StateLayout.UINT8_SQRT) else None
+    return q, scale, qbuf, sbuf
+
+
+def run_state_load(q, scale, layout, block=(32, 128)):
+    rows, cols = q.shape
+    nb = L.n_blocks(cols)
+    qd = q.to(DEVICE).contiguous()
+    sd = scale.to(DEVICE).contiguous() if scale is not None else qd
+    out = torch.full((rows, cols), 777.0, device=DEVICE)
+    bn, bk = block
+    _state_load_kernel[_grid(rows, cols, bn, bk)](
+        _storage_arg(qd, layout), sd, out, rows, cols, nb, LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
+    return out.cpu()
+
+
+def run_state_update(q, scale, layout, mult, block=(32, 128)):
+    rows, cols = q.shape
+    nb = L.n_blocks(cols)
+    qd = q.to(DEVICE).contiguous().clone()
+    sd = scale.to(DEVICE).contiguous().clone() if scale is not None else qd
+    bn, bk = block
+    _state_update_kernel[_grid(rows, cols, bn, bk)](
+        _storage_arg(qd, layout), sd, rows, cols, nb, float(mult), LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
+    return qd.cpu(), (sd.cpu() if scale is not None else None)
+
+
+def bits16(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def fbits(t):
+    return t.contiguous().view(torch.int32)
+
+
+# ---------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------
+
+
+def hashed_u32(n, salt):
+    """Deterministic pseudo-random uint32 values (as int64), the same on every machine and torch version."""
+    i = torch.arange(n, dtype=torch.int64) + salt * 1_000_003
+    h = (i * 2654435761 + 0x9E3779B9) & 0xFFFFFFFF
+    h = h ^ (h >> 15)
+    h = (h * 2246822519) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 3266489917) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def as_f32_bits(u):
+    """int64 values in [0, 2**32) → float32 with those bits."""
+    return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32).view(torch.float32)
+
+
+def bf16_special_inputs():
+    """fp32 values covering every rounding case: random bit patterns (all classes), ties, subnormals, specials."""
+    g = torch.Generator().manual_seed(0)
+    rand_bits = torch.randint(-(2**31), 2**31, (16384,), generator=g, dtype=torch.int64).to(torch.int32)
+    # ties: low 16 bits exactly 0x8000, with bit 16 even and odd
+    hi = torch.randint(0, 2**16, (4096,), generator=g, dtype=torch.int64)
+    ties = as_f32_bits((hi << 16) | 0x8000)
+    near_ties = as_f32_bits(torch.cat([(hi << 16) | 0x7FFF, (hi << 16) | 0x8001]))
+    # subnormals and tiny normals
+    sub = as_f32_bits(torch.randint(0, 2**24, (2048,), generator=g, dtype=torch.int64)
+                      | (torch.randint(0, 2, (2048,), generator=g, dtype=torch.int64) << 31))
+    specials = torch.tensor([
+        0x00000000, 0x80000000,  # ±0
+        0x7F800000, 0xFF800000,  # ±inf
+        0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F80FFFF, 0xFF812345,  # NaNs
+        0x7F7FFFFF, 0xFF7FFFFF,  # largest finite: round to ±inf
+        0x7F7F7FFF, 0x7F7F8000, 0x7F7E8000,  # below / tie near the top
+        0x00000001, 0x80000001, 0x00008000, 0x00018000, 0x007FFFFF, 0x00800000,  # subnormal edge cases
+        0x3F808000, 0x3F818000, 0x3F800001, 0xBF808000,  # ties at 1.0
+    ], dtype=torch.int64)
+    vals = torch.cat([rand_bits.view(torch.float32), ties, near_ties, sub, as_f32_bits(specials),
+                      torch.randn(8192, generator=g) * 3.0])
+    n = vals.numel()
+    cols = 1024
+    rows = -(-n // cols)
+    vals = torch.cat([vals, torch.zeros(rows * cols - n)])
+    return vals.reshape(rows, cols)
+
+
+# ---------------------------------------------------------------------------
+# (a) bf16 round to nearest even
+# ---------------------------------------------------------------------------
+
+
+def test_bf16_rne_store_matches_reference_and_torch():
+    x = bf16_special_inputs()
+    out = bits16(run_weight(x, out_bf16=True, stochastic=False, block=(16, 512)))
+    ref = L.bf16_round_nearest_bits(x)
+    assert torch.equal(out, ref)
+    # NaN → the canonical quiet NaN
+    nan = torch.isnan(x)
+    assert nan.sum() >= 7
+    assert (out[nan] == 0x7FC0).all()
+    # torch's own conversion rounds to nearest even; its NaN bits depend on the CPU code path
+    tb = x.to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(out[~nan], tb[~nan])
+    assert torch.isnan(x.to(torch.bfloat16)[nan].float()).all()
+    # the infinities and the round-to-inf cases
+    inf_in = torch.isinf(x)
+    assert torch.isinf(L.bf16_from_bits(out[inf_in])).all()
+
+
+def test_bf16_load_store_roundtrip_and_fp32_weights():
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(40, 300, generator=g) * 10).to(torch.bfloat16)
+    w.view(torch.int16)[0, :4] = torch.tensor([0x7F80, -128, 0x0001, -32768], dtype=torch.int16)  # inf, -inf, subnormal, -0
+    back = run_weight(w, out_bf16=True, stochastic=False, block=(16, 256))
+    assert torch.equal(bits16(back), bits16(w))
+    # bf16 → fp32 load is exact
+    f = run_weight(w, out_bf16=False, block=(16, 256))
+    assert torch.equal(fbits(f), fbits(w.float()))
+    assert torch.equal(fbits(L.bf16_from_bits(w.view(torch.int16))), fbits(w.float()))
+    # fp32 → fp32 copy is exact (stochastic flag ignored for fp32 weights)
+    x = torch.randn(33, 130, generator=g)
+    assert torch.equal(fbits(run_weight(x, out_bf16=False, stochastic=True, seed=3, block=(16, 256))), fbits(x))
+
+
+# ---------------------------------------------------------------------------
+# (b) stochastic rounding: unbiased, and small updates survive
+# ---------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_is_unbiased():
+    # fp32 values strictly between two bf16 neighbours, with different fractions of the gap
+    low16 = [0x0001, 0x1000, 0x4000, 0x5555, 0x7FFF, 0x8000, 0xC000, 0xFFF0]
+    his = [0x3F80, 0x4049, 0xBF80, 0x3A12, 0xC2F6, 0x0003, 0x7F00, 0x8001]  # ±1, π, tiny, -123, subnormal, big
+    vals = as_f32_bits(torch.tensor([(h << 16) | lo for h, lo in zip(his, low16)], dtype=torch.int64))
+    n_idx, seeds = 4096, [0, 12345, 2**33 + 5]
+    x = vals[:, None].expand(len(vals), n_idx).contiguous()
+    up = torch.zeros(len(vals))
+    for s in seeds:
+        out = bits16(run_weight(x, stochastic=True, seed=s, block=(8, 4096)))
+        trunc = (fbits(x) >> 16).to(torch.int16)
+        rounded_up = out != trunc
+        assert ((out == trunc) | (out == trunc + 1)).all()  # only the two neighbours
+        up += rounded_up.sum(1).to(torch.float32)
+    n = n_idx * len(seeds)
+    lo = L.bf16_from_bits((fbits(vals) >> 16).to(torch.int16)).double()
+    hi = L.bf16_from_bits(((fbits(vals) >> 16) + 1).to(torch.int16)).double()
+    gap = hi - lo
+    p = torch.tensor(low16, dtype=torch.float64) / 65536.0  # exact P(round away from zero)
+    p_hat = up.double() / n
+    # the count of round-ups is Binomial(n, p): std of the mean of the rounded values is |gap| * sqrt(p(1-p)/n)
+    sigma = torch.sqrt(p * (1 - p) / n)
+    assert ((p_hat - p).abs() <= 5 * sigma + 1e-12).all(), (p_hat, p)
+    mean_value = lo + gap * p_hat
+    assert ((mean_value - vals.double()).abs() <= 5 * gap.abs() * sigma + 1e-300).all()
+
+
+def test_stochastic_rounding_keeps_small_updates():
+    rows, cols = 32, 256
+    ulp = 2.0 ** -7  # bf16 spacing in [1, 2)
+    delta = ulp / 4  # under half an ulp: round to nearest drops it every time
+    steps = 64
+    w_sr = torch.ones(rows, cols, dtype=torch.bfloat16)
+    w_rn = w_sr.clone()
+    for k in range(steps):
+        w_sr = run_weight(w_sr, stochastic=True, seed=1000 + k, delta=delta, block=(32, 256))
+        w_rn = run_weight(w_rn, stochastic=False, delta=delta, block=(32, 256))
+    assert (w_rn == 1.0).all()  # round to nearest: the update vanishes
+    expected = 1.0 + steps * delta  # 1.125
+    # per step the rounding error is zero-mean with variance <= ulp**2 / 4; the
+    # mean over rows*cols independent elements has std <= sqrt(steps) * ulp / 2 / sqrt(rows*cols)
+    sigma = math.sqrt(steps) * ulp / 2 / math.sqrt(rows * cols)
+    mean = w_sr.double().mean().item()
+    assert abs(mean - expected) <= 5 * sigma, (mean, expected, sigma)
+
+
+# ---------------------------------------------------------------------------
+# (c) random bits depend only on (seed, index)
+# ---------------------------------------------------------------------------
+
+
+def test_stochastic_bits_independent_of_tile_shape():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(72, 136, generator=g)
+    outs = [bits16(run_weight(x, stochastic=True, seed=99, block=b)) for b in [(8, 64), (32, 128), (128, 256)]]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    # a different seed changes bits (for values not exactly representable)
+    other = bits16(run_weight(x, stochastic=True, seed=100, block=(32, 128)))
+    assert (other != outs[0]).float().mean() > 0.3
+    # and every result is one of the two bf16 neighbours
+    trunc = (fbits(x) >> 16).to(torch.int16)
+    assert ((outs[0] == trunc) | (outs[0] == trunc + 1)).all()
+
+
+# Digest of the stochastic-rounding bits of fixed inputs and seeds, computed in
+# the Triton interpreter; the GPU must give the very same bits.
+STOCHASTIC_GOLDEN = "487739a414579e1c"
+
+
+def test_stochastic_golden_digest():
+    x = as_f32_bits(hashed_u32(64 * 320, salt=7) & 0xBFFFFFFF).reshape(64, 320)  # finite, mixed magnitudes
+    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    h = hashlib.sha256()
+    for seed in [0, 1, 7, 2**31 - 1, 2**31 + 3, 2**40 + 12345, 2**63 - 1]:
+        h.update(bits16(run_weight(x, stochastic=True, seed=seed, block=(32, 128))).numpy().tobytes())
+    digest = h.hexdigest()[:16]
+    assert digest == STOCHASTIC_GOLDEN, f"stochastic rounding bits changed: digest {digest}"
+
+
+# ---------------------------------------------------------------------------
+# (d) state layouts: Triton store/load == layouts.quantize/dequantize
+# ---------------------------------------------------------------------------
+
+
+def state_inputs(rows, cols, layout, seed):
+    g = torch.Generator().manual_seed(seed)
+    # rows with very different magnitudes, a few exact-zero blocks and -0.0
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 3, rows)[:, None]
+    if cols >= 64:
+        x[0, :64] = 0.0  # zero block
+        x[rows // 2, -min(cols, 8):] = 0.0
+    x[-1, 0] = -0.0
+    if layout == StateLayout.UINT8_SQRT:
+        x = x.abs() ** 1.5
+        x[rows // 2, 1::7] = -x[rows // 2, 1::7]  # negatives are clamped to 0
+    # some values exactly at code boundaries
+    x.view(-1)[5::97] = x.view(-1)[5::97].round()
+    return x
+
+
+SHAPES = [(72, 136), (5, 200), (3, 64), (1, 1000)]
+BLOCKS = [(32, 128), (8, 256)]
+
+
+@pytest.mark.parametrize("layout", list(StateLayout), ids=lambda l: l.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_state_roundtrip_matches_layouts(layout, shape):
+    rows, cols = shape
+    block = BLOCKS[(rows + cols) % 2]
+    x = state_inputs(rows, cols, layout, seed=rows * 1000 + cols)
+    q, scale, qbuf, sbuf = run_state_store(x, layout, block=block)
+    ref_q, ref_scale = L.quantize(x, layout)
+    assert q.dtype == L.storage_dtype(layout)
+    assert torch.equal(bits16(q), bits16(ref_q)) if layout != StateLayout.FP32 else torch.equal(fbits(q), fbits(ref_q))
+    if ref_scale is not None:
+        assert torch.equal(fbits(scale), fbits(ref_scale))
+        assert (sbuf[rows * L.n_blocks(cols):] == -7.0).all()  # nothing written past the scales
+    dt = L.storage_dtype(layout)
+    assert (qbuf[rows * cols:] == SENTINEL[dt]).all()  # nothing written past the storage
+
+    out = run_state_load(q, scale, layout, block=block)
+    ref_out = L.dequantize(ref_q, ref_scale, layout)
+    assert torch.equal(fbits(out), fbits(ref_out))
+
+    # load → transform → store in place, against the torch composition
+    q2, s2 = run_state_update(q, scale, layout, mult=0.75, block=block)
+    ref_q2, ref_s2 = L.quantize(ref_out * 0.75, layout)
+    assert torch.equal(bits16(q2) if layout != StateLayout.FP32 else fbits(q2),
+                       bits16(ref_q2) if layout != StateLayout.FP32 else fbits(ref_q2))
+    if ref_s2 is not None:
+        assert torch.equal(fbits(s2), fbits(ref_s2))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # 0 * inf in the interpreter's numpy
+@pytest.mark.parametrize("layout", [StateLayout.INT8, StateLayout.UINT8_SQRT], ids=lambda l: l.name)
+def test_int8_zero_and_nonfinite_blocks(layout):
+    rows, cols = 5, 200
+    x = torch.rand(rows, cols, generator=torch.Generator().manual_seed(4)) + 0.5
+    x[0, :] = 0.0  # a whole zero row: 4 zero blocks incl. the ragged one
+    x[1, 64:128] = -0.0
+    x[2, 3] = float("nan")  # block (2, 0) → NaN on read
+    x[3, 130] = float("inf")  # block (3, 2) → NaN on read
+    x.view(torch.int32)[4, 70] = -0x3FFFFF  # a NaN with the sign bit (0xFFC00001): block (4, 1) → NaN
+    q, scale, _, _ = run_state_store(x, layout, block=(8, 256))
+    ref_q, ref_scale = L.quantize(x, layout)
+    assert torch.equal(bits16(q), bits16(ref_q))
+    assert torch.equal(fbits(scale), fbits(ref_scale))
+    assert (scale[0] == 0).all() and (q[0] == 0).all() and scale[1, 1] == 0
+    assert fbits(scale)[2, 0] == 0x7FC00000 and fbits(scale)[4, 1] == 0x7FC00000  # one NaN pattern
+    assert torch.isinf(scale[3, 2])
+    out = run_state_load(q, scale, layout, block=(8, 256))
+    assert torch.equal(fbits(out[0]), torch.zeros(cols, dtype=torch.int32))  # exact +0
+    assert (out[1, 64:128] == 0).all()
+    assert torch.isnan(out[2, :64]).all() and not torch.isnan(out[2, 64:]).any()
+    assert torch.isnan(out[3, 128:192]).all() and not torch.isnan(out[3, :128]).any()
+    assert torch.isnan(out[4, 64:128]).sum() == 64 and torch.isnan(out[4]).sum() == 64
+    ref_out = L.dequantize(ref_q, ref_scale, layout)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref_out))
+    fin = ~torch.isnan(out)
+    assert torch.equal(fbits(out[fin]), fbits(ref_out[fin]))
+
+
+def test_bf16_state_rne_matches_weights():
+    x = bf16_special_inputs()[:8]
+    q, _, _, _ = run_state_store(x, StateLayout.BF16, block=(8, 512))
+    assert torch.equal(bits16(q), L.bf16_round_nearest_bits(x))
+
+
+# ---------------------------------------------------------------------------
+# error bounds (torch side; the Triton side is bit-identical)
+# ---------------------------------------------------------------------------
+
+
+def _bound_inputs(layout):
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(16, 640, generator=g) * torch.logspace(-30, 30, 16)[:, None],
+          torch.rand(8, 256, generator=g) ** 8,
+          (torch.randn(8, 200, generator=g) * 1e-3)]
+    if layout == StateLayout.UINT8_SQRT:
+        xs = [x.abs() for x in xs]
+    return xs
+
+
+def test_int8_error_bound():
+    for x in _bound_inputs(StateLayout.INT8):
+        q, s = L.quantize(x, StateLayout.INT8)
+        d = L.dequantize(q, s, StateLayout.INT8).double()
+        se = s.double().repeat_interleave(64, 1)[:, : x.shape[1]]
+        err = (d - x.double()).abs()
+        # half a step plus a few fp32 roundings of scale-sized quantities
+        assert (err <= se / 254 + 4 * 2.0 ** -24 * se).all()
+        assert q.abs().max() <= 127
+        # the block's absmax is represented almost exactly (code ±127)
+        assert (q.abs().reshape(-1) == 127).sum() >= s.numel() - (s == 0).sum()
+
+
+def test_uint8_sqrt_error_bound():
+    for x in _bound_inputs(StateLayout.UINT8_SQRT):
+        q, s = L.quantize(x, StateLayout.UINT8_SQRT)
+        d = L.dequantize(q, s, StateLayout.UINT8_SQRT).double()
+        se = s.double().repeat_interleave(64, 1)[:, : x.shape[1]]
+        xd = x.double()
+        # the two codes that bracket x: k = floor(sqrt(x/s) * 255) and k + 1
+        u = torch.sqrt(torch.where(se > 0, xd / se, torch.zeros_like(xd))) * 255
+        k = torch.floor(u).clamp(0, 254)
+        half_gap = se * ((k + 1) ** 2 - k**2) / 255**2 / 2
+        err = (d - xd).abs()
+        # rounding happens on sqrt: up to scale/(4*255**2) past half the gap, + fp32 slop
+        slop = se / (4 * 255**2) + 8 * 2.0 ** -24 * se
+        assert (err <= half_gap + slop).all()
+        assert (d >= 0).all()
+        # and the code is the nearest one in the sqrt domain
+        assert ((q.double() - u).abs() <= 0.5 + 1e-4).all()
+
+
+# ---------------------------------------------------------------------------
+# layouts.py (pure torch)
+# ---------------------------------------------------------------------------
+
+
+def test_resolve_layout_rules():
+    R = L.resolve_layout
+    assert R("fp32", False, (10, 100)) == StateLayout.FP32
+    assert R("bf16", True, (10, 3)) == StateLayout.BF16
+    assert R("int8", False, (10, 100)) == StateLayout.INT8
+    assert R("int8", True, (10, 100)) == StateLayout.UINT8_SQRT
+    assert R("int8", False, (64,)) == StateLayout.INT8
+    assert R("int8", True, (2, 3, 64)) == StateLayout.UINT8_SQRT
+    # states smaller than a block stay fp32: the last dim decides
+    assert R("int8", False, (1000, 63)) == StateLayout.FP32
+    assert R("int8", True, (63,)) == StateLayout.FP32
+    assert R("int8", True, ()) == StateLayout.FP32
+    assert R("int8", False, (63, 64)) == StateLayout.INT8
+    for bad in ["int4", "FP32", "float32", "", None]:
+        with pytest.raises(ValueError, match="unknown state layout"):
+            R(bad, False, (10, 100))
+
+
+def test_storage_dtypes_rows_blocks():
+    assert [L.storage_dtype(l) for l in StateLayout] == [torch.float32, torch.bfloat16, torch.int8, torch.uint8]
+    assert [int(l) for l in StateLayout] == [0, 1, 2, 3]
+    assert tuple(c.value for c in (TL.LAYOUT_FP32, TL.LAYOUT_BF16, TL.LAYOUT_INT8, TL.LAYOUT_UINT8_SQRT)) == (0, 1, 2, 3)
+    assert TL.R255.value == L.R255 and TL.QBLOCK.value == L.BLOCK == 64
+    assert TL.FLT_MAX.value == torch.finfo(torch.float32).max
+    assert L.as_rows(torch.zeros(2, 3, 5)).shape == (6, 5)
+    assert L.as_rows(torch.zeros(7)).shape == (1, 7)
+    assert L.as_rows(torch.tensor(3.0)).shape == (1, 1)
+    assert L.as_rows(torch.zeros(4, 0)).shape == (4, 0)
+    t = torch.arange(12.0).reshape(3, 4)
+    assert L.as_rows(t).data_ptr() == t.data_ptr()  # a view
+    assert [L.n_blocks(c) for c in (1, 63, 64, 65, 128, 200)] == [1, 1, 1, 2, 2, 4]
+
+
+def test_quantize_shapes_and_dtypes():
+    x = torch.randn(2, 3, 70, dtype=torch.float64)
+    q, s = L.quantize(x, StateLayout.INT8)
+    assert q.shape == x.shape and q.dtype == torch.int8 and s.shape == (6, 2) and s.dtype == torch.float32
+    assert L.dequantize(q, s, StateLayout.INT8).shape == x.shape
+    q, s = L.quantize(x.abs().half(), StateLayout.UINT8_SQRT)
+    assert q.dtype == torch.uint8 and s.shape == (6, 2)
+    q, s = L.quantize(x, StateLayout.BF16)
+    assert q.dtype == torch.bfloat16 and s is None
+    assert torch.equal(L.dequantize(q, None, StateLayout.BF16), x.float().to(torch.bfloat16).float())
+    q, s = L.quantize(x, StateLayout.FP32)
+    assert q.dtype == torch.float32 and s is None
+    q, s = L.quantize(torch.tensor(2.5), StateLayout.INT8)  # 0-dim: one ragged block
+    assert q.shape == () and s.shape == (1, 1) and L.dequantize(q, s, StateLayout.INT8).item() == 2.5
+    with pytest.raises(ValueError, match="scale shape"):
+        L.dequantize(torch.zeros(3, 70, dtype=torch.int8), torch.zeros(3, 1), StateLayout.INT8)
+    with pytest.raises(TypeError):
+        L.dequantize(torch.zeros(3, 70, dtype=torch.uint8), torch.zeros(3, 2), StateLayout.INT8)
+    with pytest.raises(ValueError, match="needs its block scale"):
+        L.dequantize(torch.zeros(3, 70, dtype=torch.int8), None, StateLayout.INT8)
+
+
+def test_int8_rounds_half_up_exactly():
+    # scale 127 → inv = 1, y = x: ties go up (toward +inf); no double rounding just below 0.5
+    below_half = float(torch.tensor(0.5 - 2.0**-25))  # floor(fl(y + 0.5)) would give 1 here
+    vals = [127.0, 2.5, -2.5, 3.5, -3.5, 0.5, -0.5, below_half, -127.0, 126.49999]
+    x = torch.zeros(1, 64)
+    x[0, : len(vals)] = torch.tensor(vals)
+    q, s = L.quantize(x, StateLayout.INT8)
+    assert s.item() == 127.0
+    assert q[0, : len(vals)].tolist() == [127, 3, -2, 4, -3, 1, 0, 0, -127, 126]
+    # the same through the Triton store
+    tq, ts, _, _ = run_state_store(x, StateLayout.INT8, block=(1, 64))
+    assert torch.equal(tq, q) and torch.equal(ts, s)
+
+
+def test_quantize_ragged_padding_does_not_affect_scale():
+    x = torch.full((2, 70), -0.5)
+    x[:, 64:] = torch.tensor([0.25, -0.125, 0.0, 0.0, 0.0, 0.1])
+    _, s = L.quantize(x, StateLayout.INT8)
+    assert s[:, 1].tolist() == [0.25, 0.25]
+    _, s = L.quantize(x, StateLayout.UINT8_SQRT)
+    assert s[:, 0].tolist() == [0.0, 0.0] and torch.equal(s[:, 1], torch.full((2,), 0.25))
+
+
+def test_bf16_bits_helpers():
+    x = bf16_special_inputs()
+    b = L.bf16_round_nearest_bits(x)
+    assert b.dtype == torch.int16
+    fin = ~torch.isnan(x)
+    assert torch.equal(b[fin], x.to(torch.bfloat16).view(torch.int16)[fin])
+    assert (b[~fin] == 0x7FC0).all()
+    # from_bits ∘ round is the identity on bf16 values
+    y = L.bf16_from_bits(b)
+    assert torch.equal(L.bf16_round_nearest_bits(y)[fin], b[fin])
+    assert torch.equal(fbits(L.bf16_from_bits(b.view(torch.bfloat16))), fbits(b.view(torch.bfloat16).float()))
