@@ -27,6 +27,8 @@ from typing import Iterator, Optional
 
 from . import ir
 from .errors import Loc, SpecError, did_you_mean
+from .printer import print_expr
+from .scalar_ops import apply_scalar_op
 
 __all__ = [
     "BUILTIN_FUNCTIONS",
@@ -75,6 +77,16 @@ RESERVED_NAMES = frozenset(
 
 MAX_FLAGS = 8
 
+# How messages name a symbol of each kind ("'grad' is the gradient; ...").
+_KIND_PHRASES = {
+    "param": "the parameter (a per-element value)",
+    "grad": "the gradient (a per-element value)",
+    "step": "the step counter",
+    "state": "a state",
+    "scalar state": "a scalar state",
+    "tuple keyword": "a tuple keyword",
+}
+
 
 class Type(enum.Enum):
     REAL = "number"
@@ -104,20 +116,21 @@ def describe_combo(combo: Combo) -> str:
 
 
 def eval_static(expr: ir.Expr, flags: dict[str, bool]) -> bool:
-    """Evaluate a compile-time boolean (flags, `true`/`false`, and/or/not)."""
-    if isinstance(expr, ir.BoolLit):
+    """Evaluate a compile-time boolean: flags and literals, combined by any operator or function."""
+    return bool(_static_value(expr, flags))
+
+
+def _static_value(expr: ir.Expr, flags: dict[str, bool]):
+    if isinstance(expr, (ir.BoolLit, ir.Num)):
         return expr.value
     if isinstance(expr, ir.Name):
         return flags[expr.id]
-    if isinstance(expr, ir.Unary) and expr.op == "not":
-        return not eval_static(expr.operand, flags)
-    if isinstance(expr, ir.Binary) and expr.op == "and":
-        return eval_static(expr.left, flags) and eval_static(expr.right, flags)
-    if isinstance(expr, ir.Binary) and expr.op == "or":
-        return eval_static(expr.left, flags) or eval_static(expr.right, flags)
-    if isinstance(expr, ir.Binary) and expr.op in ("eq", "ne"):
-        same = eval_static(expr.left, flags) == eval_static(expr.right, flags)
-        return same if expr.op == "eq" else not same
+    if isinstance(expr, ir.Unary):
+        return apply_scalar_op(expr.op, _static_value(expr.operand, flags))
+    if isinstance(expr, ir.Binary):
+        return apply_scalar_op(expr.op, _static_value(expr.left, flags), _static_value(expr.right, flags))
+    if isinstance(expr, ir.Call):
+        return apply_scalar_op(expr.func, *(_static_value(a, flags) for a in expr.args))
     raise AssertionError(f"not a compile-time condition: {expr!r}")
 
 
@@ -159,31 +172,14 @@ def _walk_stmts(body) -> Iterator[ir.Stmt]:
             yield from _walk_stmts(stmt.orelse)
 
 
-def _names_in(expr: ir.Expr) -> Iterator[str]:
-    if isinstance(expr, ir.Name):
-        yield expr.id
-    elif isinstance(expr, ir.Unary):
-        yield from _names_in(expr.operand)
-    elif isinstance(expr, ir.Binary):
-        yield from _names_in(expr.left)
-        yield from _names_in(expr.right)
-    elif isinstance(expr, ir.Call):
-        for a in expr.args:
-            yield from _names_in(a)
-    elif isinstance(expr, ir.Index):
-        yield from _names_in(expr.base)
-        for a in expr.indices:
-            yield from _names_in(a)
-    elif isinstance(expr, ir.Attribute):
-        yield from _names_in(expr.base)
-
-
 def _describe(expr: ir.Expr) -> str:
     """A short quote of an expression for messages."""
     if isinstance(expr, ir.Name):
         return f"'{expr.id}'"
     if isinstance(expr, ir.Num):
         return f"'{ir.format_number(expr.value)}'"
+    if isinstance(expr, ir.BoolLit):
+        return "'true'" if expr.value else "'false'"
     if isinstance(expr, ir.Call):
         return f"'{expr.func}(...)'"
     return "this expression"
@@ -234,31 +230,40 @@ class _Checker:
         }
         self.check_name(spec.name, spec.loc)
         members = {m for g in spec.groups for m in g.members}
-        for g in spec.groups:
-            self.declare(g.name, _Symbol("tuple keyword", Type.REAL, Level.HOST), g.loc)
+        groups = {g.name: g for g in spec.groups}
+        # In source order, so that a duplicate is reported where it is written
+        # a second time (a tuple keyword is declared just before its members).
         for h in spec.hypers:
+            if h.group is not None and h.group not in self.symbols:
+                g = groups[h.group]
+                self.declare(g.name, _Symbol("tuple keyword", Type.REAL, Level.HOST), g.loc)
+                self.check_interval(g.interval, g.name, g.loc)
             self.declare(h.name, _Symbol("hyperparameter", Type.REAL, Level.HOST), h.loc)
             iv = h.interval
-            if iv.low > iv.high or (iv.low == iv.high and not (iv.low_closed and iv.high_closed)):
-                raise self.error(f"the range {iv} of '{h.name}' is empty", h.loc)
+            if h.group is None:
+                self.check_interval(iv, h.name, h.loc)
             if h.default is not None and not iv.contains(h.default):
                 raise self.error(
                     f"the default {ir.format_number(h.default)} of '{h.name}' is outside its range {iv}", h.loc
                 )
-            if h.group is None and h.name in members:
-                raise self.error(f"duplicate name '{h.name}'", h.loc)
         for f in spec.flags:
             self.declare(f.name, _Symbol("flag", Type.BOOL, Level.FLAG), f.loc)
         for d in spec.derived:
-            t, level = self.infer_declaration_expr(d.expr, allowed=("hyperparameter", "flag", "derived flag"))
+            t, level = self.infer_declaration_expr(
+                d.expr, allowed=("hyperparameter", "flag", "derived flag"), what=f"flag '{d.name}'"
+            )
             if t is not Type.BOOL:
                 raise self.error(
                     f"flag '{d.name}' must be true, false or a condition on hyperparameters, not a number",
                     d.expr.loc,
                 )
             self.declare(d.name, _Symbol("derived flag", Type.BOOL, Level.FLAG), d.loc)
-        if len(spec.flags) + len(spec.derived) > MAX_FLAGS:
-            raise self.error(f"at most {MAX_FLAGS} flags are supported (each doubles the compiled variants)", spec.loc)
+        all_flags = list(spec.flags) + list(spec.derived)
+        if len(all_flags) > MAX_FLAGS:
+            raise self.error(
+                f"too many flags: at most {MAX_FLAGS} are supported (each doubles the compiled variants)",
+                all_flags[MAX_FLAGS].loc,
+            )
         for s in spec.states:
             self.declare(s.name, _Symbol("state", Type.REAL, Level.ELEMENT), s.loc)
             self.check_initial_value(s.init, s.name)
@@ -268,12 +273,19 @@ class _Checker:
             self.declare(s.name, _Symbol("scalar state", Type.REAL, Level.HOST), s.loc)
             self.check_initial_value(s.init, s.name)
         for r in spec.requires:
-            t, _ = self.infer_declaration_expr(r.condition, allowed=("hyperparameter", "flag", "derived flag"))
+            t, _ = self.infer_declaration_expr(
+                r.condition, allowed=("hyperparameter", "flag", "derived flag"), what="a 'require' condition"
+            )
             if t is not Type.BOOL:
-                raise self.error("a 'require' condition must be a boolean", r.condition.loc)
+                raise self.error("a 'require' condition must be a boolean", r.condition.loc,
+                                 hint="compare it, e.g. 'x > 0'")
         # Kinds are fixed now; rename the member symbols' kind for messages.
         for m in members:
             self.symbols[m] = _Symbol("hyperparameter", Type.REAL, Level.HOST)
+
+    def check_interval(self, iv: ir.Interval, name: str, loc: Loc) -> None:
+        if iv.low > iv.high or (iv.low == iv.high and not (iv.low_closed and iv.high_closed)):
+            raise self.error(f"the range {iv} of '{name}' is empty", loc)
 
     def check_initial_value(self, init: ir.Expr, name: str) -> None:
         if isinstance(init, ir.Num):
@@ -283,7 +295,7 @@ class _Checker:
         if isinstance(init, ir.Name) and self.symbols.get(init.id, _Symbol("", Type.REAL, Level.CONST)).kind == "hyperparameter":
             self.used.add(init.id)
             return
-        if isinstance(init, ir.Name) and init.id not in self.symbols:
+        if isinstance(init, ir.Name) and init.id not in self.symbols and init.id not in BUILTIN_FUNCTIONS:
             raise self.error(
                 f"unknown name '{init.id}' in the initial value of '{name}'"
                 + did_you_mean(init.id, [h.name for h in self.spec.hypers]),
@@ -293,18 +305,41 @@ class _Checker:
             f"the initial value of '{name}' must be a number or a hyperparameter", init.loc
         )
 
-    def infer_declaration_expr(self, expr: ir.Expr, allowed: tuple[str, ...]) -> tuple[Type, Level]:
-        for n in _names_in(expr):
-            sym = self.symbols.get(n)
-            if sym is not None and sym.kind not in allowed:
-                loc = next(e.loc for e in _iter_names(expr) if e.id == n)
-                raise self.error(
-                    f"'{n}' is a {sym.kind}; this declaration may use only hyperparameters and flags declared before it",
-                    loc,
-                )
+    def infer_declaration_expr(self, expr: ir.Expr, allowed: tuple[str, ...], what: str) -> tuple[Type, Level]:
+        """Type a derived flag or a 'require' (`what`, for messages): keywords only."""
+        declared_later = {s.name: "a state" for s in self.spec.states}
+        declared_later.update({s.name: "a scalar state" for s in self.spec.scalars})
+        declared_later.update({d.name: "a flag" for d in self.spec.derived})
+        for n in _iter_names(expr):
+            sym = self.symbols.get(n.id)
+            if sym is not None and (sym.kind in allowed or sym.kind == "tuple keyword"):
+                continue  # allowed, or reported by infer() below with a better message
+            if sym is not None:
+                kind = _KIND_PHRASES.get(sym.kind, f"a {sym.kind}")
+            elif n.id in declared_later:
+                kind = declared_later[n.id]
+                if kind == "a flag":
+                    raise self.error(f"flag '{n.id}' is used before it is declared", n.loc,
+                                     hint="declare it above this line")
+            elif n.id in self.temps_anywhere:
+                kind = "a temporary of the update"
+            else:
+                continue  # unknown: reported by infer() below, with a suggestion
+            raise self.error(
+                f"'{n.id}' is {kind}; {what} may use only hyperparameters and flags", n.loc,
+                hint="it is evaluated once, from the keywords, before any step",
+            )
         return self.infer(expr, env=set(), defined_somewhere=set())
 
     def check_compile_time_condition(self, cond: ir.Expr, what: str) -> None:
+        for n in _iter_names(cond):
+            if n.id not in self.symbols and n.id in self.temps_anywhere:
+                raise self.error(
+                    f"{what} is resolved when the kernel is compiled, so it may use only flags, "
+                    f"not the temporary '{n.id}'",
+                    n.loc,
+                    hint="for a per-step or per-element choice, use where(condition, a, b) in the update",
+                )
         t, level = self.infer(cond, env=set(), defined_somewhere=set())
         if t is not Type.BOOL:
             raise self.error(f"{what} must be a boolean made of flags", cond.loc)
@@ -487,7 +522,8 @@ class _Checker:
                 env[target] = (t, level)
                 continue
             if t is not Type.REAL:
-                raise self.error(f"cannot assign a boolean to {sym.kind} '{target}'", stmt.value.loc)
+                what = f"'{target}'" if sym.kind == "param" else f"{sym.kind} '{target}'"
+                raise self.error(f"cannot assign a boolean to {what}", stmt.value.loc)
             if sym.kind == "state" and target not in present:
                 raise self.error(self.absent_state_message(target, why), stmt.target_loc)
             if sym.kind == "scalar state" and level > Level.HOST:
@@ -506,11 +542,12 @@ class _Checker:
                                  hint="remove it or assign it in the update")
         for s in self.spec.scalars:
             if s.name not in assigned:
-                raise self.error(f"scalar state '{s.name}' is never updated{why}", s.loc)
+                raise self.error(f"scalar state '{s.name}' is never updated{why}", s.loc,
+                                 hint="remove it or assign it in the update")
 
     def absent_state_message(self, name: str, why: str) -> str:
         state = next(s for s in self.spec.states if s.name == name)
-        return f"state '{name}' does not exist here{why}: it is declared only if {_print_condition(state.condition)}"
+        return f"state '{name}' does not exist here{why}: it is declared only if {print_expr(state.condition)}"
 
     def check_unused(self) -> None:
         for h in self.spec.hypers:
@@ -551,19 +588,11 @@ def _iter_names(expr: ir.Expr) -> Iterator[ir.Name]:
             yield from _iter_names(a)
 
 
-def _print_condition(expr: Optional[ir.Expr]) -> str:
-    if isinstance(expr, ir.Name):
-        return expr.id
-    if isinstance(expr, ir.Unary):
-        return f"not {_print_condition(expr.operand)}"
-    if isinstance(expr, ir.Binary):
-        return f"({_print_condition(expr.left)} {expr.op} {_print_condition(expr.right)})"
-    if isinstance(expr, ir.BoolLit):
-        return "true" if expr.value else "false"
-    return "its condition holds"
-
-
 def check_spec(spec: ir.Spec) -> ir.Spec:
     """Raise `SpecError` for the first problem in `spec`; return it unchanged when it is valid."""
-    _Checker(spec).run()
+    try:
+        _Checker(spec).run()
+    except RecursionError:
+        raise SpecError("the spec is nested too deeply to check", spec.loc, spec.source,
+                        hint="split long expressions with temporaries") from None
     return spec

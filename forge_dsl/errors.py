@@ -63,14 +63,18 @@ class SpecError(Exception):
         head = f"{self.loc}: {self.message}" if self.loc else self.message
         lines = [head]
         if self.loc and self.source is not None:
-            text_lines = self.source.splitlines()
+            # Lines are counted at '\n' only, as the parser counts them.
+            text_lines = self.source.split("\n")
             if 1 <= self.loc.line <= len(text_lines):
                 text = text_lines[self.loc.line - 1].rstrip()
                 width = 1
                 if self.loc.end_line == self.loc.line and self.loc.end_col > self.loc.col:
                     width = self.loc.end_col - self.loc.col
+                # Keep the line's tabs under the caret so that it lines up.
+                pad = "".join(c if c == "\t" else " " for c in text[: self.loc.col - 1])
+                pad += " " * (self.loc.col - 1 - len(pad))
                 lines.append("    " + text)
-                lines.append("    " + " " * (self.loc.col - 1) + "^" * width)
+                lines.append("    " + pad + "^" * width)
         if self.hint:
             lines.append(f"hint: {self.hint}")
         return "\n".join(lines)

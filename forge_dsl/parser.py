@@ -27,35 +27,54 @@ def grammar_text() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _parser() -> Lark:
-    return Lark(grammar_text(), parser="lalr", propagate_positions=True, maybe_placeholders=False)
+    # The basic lexer makes every keyword (`update`, `true`, `not`, ...) a keyword
+    # everywhere: a contextual lexer would read one as a NAME wherever a keyword
+    # cannot stand, so `hyper true = 1` would declare an unusable name and
+    # `x * not f` would fail far from the mistake.
+    return Lark(grammar_text(), parser="lalr", lexer="basic", propagate_positions=True, maybe_placeholders=False)
 
 
-# Names for the terminals Lark may report as expected, in a user's words.
+# Deeper parse trees are refused: every later stage walks expressions recursively.
+MAX_DEPTH = 200
+
+# Names for the regex terminals Lark may report as expected, in a user's words.
+# Terminals defined by a literal string are quoted as written ('{', 'update', '**').
 _TOKEN_WORDS = {
     "NAME": "a name",
     "NUMBER": "a number",
     "STRING": 'a "string"',
-    "LBRACE": "'{'",
-    "RBRACE": "'}'",
-    "LPAR": "'('",
-    "RPAR": "')'",
-    "LSQB": "'['",
-    "RSQB": "']'",
-    "EQUAL": "'='",
-    "COMMA": "','",
     "COMPARE": "a comparison",
-    "MINUS": "'-'",
-    "PLUS": "'+'",
-    "STAR": "'*'",
-    "SLASH": "'/'",
-    "DOT": "'.'",
-    "__ANON_0": "'**'",
-    "TRUE": "'true'",
-    "FALSE": "'false'",
-    "INF": "'inf'",
-    "NONNEG": "'nonneg'",
     "$END": "the end of the file",
 }
+# Terminals that can start an expression, and operators that can follow one.
+_EXPR_START = {"NAME", "NUMBER", "LPAR", "MINUS", "PLUS", "TRUE", "FALSE", "INF", "NOT"}
+_OPERATORS = {"PLUS", "MINUS", "STAR", "SLASH", "COMPARE", "AND", "OR", "DOT", "LSQB", "LPAR"}
+_BRACKETS = {"LPAR": ("(", ")"), "LSQB": ("[", "]"), "LBRACE": ("{", "}")}
+_CLOSERS = {"RPAR": "LPAR", "RSQB": "LSQB", "RBRACE": "LBRACE"}
+
+
+@functools.lru_cache(maxsize=1)
+def _literal_terminals() -> dict[str, str]:
+    """Terminal name -> its literal text, for terminals defined by a string."""
+    return {t.name: t.pattern.value for t in _parser().terminals if t.pattern.type == "str"}
+
+
+def _is_keyword(tok: Token) -> bool:
+    text = _literal_terminals().get(tok.type)
+    return text is not None and text.isidentifier()
+
+
+@functools.lru_cache(maxsize=1)
+def _power_terminal() -> str:
+    """The name Lark gives the anonymous '**' terminal."""
+    return next((n for n, text in _literal_terminals().items() if text == "**"), "**")
+
+
+def _word(name: str) -> Optional[str]:
+    if name in _TOKEN_WORDS:
+        return _TOKEN_WORDS[name]
+    text = _literal_terminals().get(name)
+    return f"'{text}'" if text is not None else None
 
 
 def _describe_token(tok: Token) -> str:
@@ -64,51 +83,172 @@ def _describe_token(tok: Token) -> str:
     return f"'{tok.value}'"
 
 
+def _expected_words(expected: set[str]) -> list[str]:
+    expected = set(expected)
+    groups = []
+    if "NAME" in expected and "NUMBER" in expected:
+        expected -= _EXPR_START
+        groups.append("an expression")
+    if "STAR" in expected:  # after an operand: every operator may follow
+        expected -= _OPERATORS | {_power_terminal()}
+        groups.append("an operator")
+    words = sorted({w for w in map(_word, expected) if w is not None})
+    # Symbols and keywords first, then descriptions ("a name", "an expression").
+    quoted = [w for w in words if w.startswith("'")]
+    described = sorted(set([w for w in words if not w.startswith("'")] + groups))
+    return quoted + described
+
+
 def _describe_expected(expected: set[str]) -> str:
-    words = []
-    for name in sorted(expected):
-        if name in _TOKEN_WORDS:
-            words.append(_TOKEN_WORDS[name])
-        elif name.isupper() and not name.startswith("__"):
-            words.append(f"'{name.lower()}'")
-    words = sorted(set(words))
+    words = _expected_words(expected)
     if not words:
         return ""
-    if len(words) > 6:
-        words = words[:6] + ["..."]
+    if len(words) > 10:
+        words = words[:9] + ["..."]
     return "; expected " + (words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1])
+
+
+def _accepted(err: lark.exceptions.UnexpectedToken) -> set[str]:
+    """The terminals the parser accepts at the error.
+
+    `err.expected` may list terminals that the LALR tables merged in from other
+    contexts (e.g. `hyper` in the middle of an expression); asking the
+    interactive parser gives the exact set.
+    """
+    try:
+        if err.interactive_parser is not None:
+            return set(err.interactive_parser.accepts())
+    except Exception:  # pragma: no cover - fall back to Lark's own set
+        pass
+    return set(err.expected or ())
+
+
+def _value_stack(err: lark.exceptions.UnexpectedToken) -> list:
+    try:
+        return list(err.interactive_parser.parser_state.value_stack)
+    except Exception:  # pragma: no cover - internal API
+        return []
+
+
+def _end_loc(path: str, source: str) -> Loc:
+    """Just after the last character that is not whitespace."""
+    lines = source.rstrip().split("\n")
+    return Loc(path, len(lines), len(lines[-1]) + 1)
+
+
+def _unclosed_bracket(source: str) -> Optional[Token]:
+    """The innermost '(', '[' or '{' that is never closed, if any."""
+    stack: list[Token] = []
+    try:
+        for tok in _parser().lex(source):
+            if tok.type in _BRACKETS:
+                stack.append(tok)
+            elif tok.type in _CLOSERS and stack and stack[-1].type == _CLOSERS[tok.type]:
+                stack.pop()
+    except lark.exceptions.LarkError:
+        return None
+    return stack[-1] if stack else None
 
 
 def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) -> SpecError:
     line, col = getattr(err, "line", 1) or 1, getattr(err, "column", 1) or 1
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
         char = source[err.pos_in_stream] if err.pos_in_stream < len(source) else "?"
+        shown = f"'{char}'" if char.isprintable() else f"U+{ord(char):04X}"
         loc = Loc(path, line, col, line, col + 1)
-        return SpecError(f"syntax error: unexpected character '{char}'", loc, source)
+        hint = 'a string is written "like this", on one line and without backslashes' if char == '"' else None
+        return SpecError(f"syntax error: unexpected character {shown}", loc, source, hint)
     if isinstance(err, lark.exceptions.UnexpectedToken):
         tok = err.token
+        expected = _accepted(err)
         if tok.type == "$END":
-            lines = source.splitlines() or [""]
-            line, col = len(lines), len(lines[-1]) + 1
-            loc = Loc(path, line, col)
+            loc = _end_loc(path, source)
+            opener = _unclosed_bracket(source)
+            if opener is not None and not ("NAME" in expected and "NUMBER" in expected):
+                closer = _BRACKETS[opener.type][1]
+                return SpecError(
+                    f"syntax error: unexpected end of file: the '{opener.value}' on line {opener.line} is never closed",
+                    loc,
+                    source,
+                    hint=f"add the missing '{closer}'",
+                )
             return SpecError(
-                "syntax error: unexpected end of file" + _describe_expected(err.expected),
+                "syntax error: unexpected end of file" + _describe_expected(expected),
                 loc,
                 source,
                 hint="a spec ends with its `update { ... }` block; check for a missing '}' or ')'.",
             )
         end = col + len(str(tok.value)) if tok.value else col + 1
         loc = Loc(path, line, col, line, end)
+        if tok.type == "COMPARE" and ("AND" in expected or "OR" in expected):
+            # After a complete operand only a comparison is refused: a second one.
+            return SpecError(
+                "syntax error: comparisons cannot be chained",
+                loc,
+                source,
+                hint="write 'a < b and b < c' instead of 'a < b < c'",
+            )
+        stack = _value_stack(err)
+        if expected == {"EQUAL"} and stack and isinstance(stack[-1], Token) and stack[-1].type == "NAME":
+            # `x = a b`: `b` was read as the start of the next statement.
+            name = stack[-1]
+            hint = None
+            if len(stack) > 1 and isinstance(stack[-2], lark.Tree):
+                hint = (
+                    f"a statement is 'name = expression'; if '{name}' belongs to the expression "
+                    "before it, an operator is missing"
+                )
+            return SpecError(
+                f"syntax error: expected '=' after '{name}', found {_describe_token(tok)}",
+                _token_loc(path, name),
+                source,
+                hint,
+            )
+        hint = None
+        if _is_keyword(tok) and "NAME" in expected and "NUMBER" not in expected:
+            hint = f"'{tok.value}' is a keyword of the language and cannot be used as a name"
+        opener = _unclosed_bracket(source[: tok.start_pos]) if tok.start_pos is not None else None
+        if hint is None and opener is not None and opener.line < line:
+            closer = _BRACKETS[opener.type][1]
+            if closer == ")" and "RPAR" in expected or closer == "]" and "RSQB" in expected:
+                hint = f"the '{opener.value}' on line {opener.line} is never closed"
         return SpecError(
-            f"syntax error: unexpected {_describe_token(tok)}" + _describe_expected(err.expected),
+            f"syntax error: unexpected {_describe_token(tok)}" + _describe_expected(expected),
             loc,
             source,
+            hint,
         )
     if isinstance(err, lark.exceptions.UnexpectedEOF):
-        lines = source.splitlines() or [""]
-        loc = Loc(path, len(lines), len(lines[-1]) + 1)
-        return SpecError("syntax error: unexpected end of file", loc, source)
+        return SpecError("syntax error: unexpected end of file", _end_loc(path, source), source)
     return SpecError(f"syntax error: {err}", Loc(path, line, col), source)
+
+
+def _tree_depth(tree: lark.Tree) -> tuple[int, Optional[lark.Tree]]:
+    """The depth of the parse tree and its deepest subtree (iteratively)."""
+    deepest, where = 0, None
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > deepest:
+            deepest, where = depth, node
+        for child in node.children:
+            if isinstance(child, lark.Tree):
+                stack.append((child, depth + 1))
+    return deepest, where
+
+
+def _too_deep(path: str, source: str, where=None) -> SpecError:
+    meta = getattr(where, "meta", None)
+    if meta is not None and not getattr(meta, "empty", True):
+        loc = Loc(path, meta.line, meta.column)
+    else:
+        loc = Loc(path, 1, 1)
+    return SpecError(
+        f"the spec is nested too deeply (more than {MAX_DEPTH} levels)",
+        loc,
+        source,
+        hint="split long expressions with temporaries",
+    )
 
 
 def _token_loc(path: str, tok: Token) -> Loc:
@@ -360,10 +500,17 @@ def parse_spec(source: str, path: str = "<string>") -> ir.Spec:
     except lark.exceptions.UnexpectedInput as err:
         raise _syntax_error(err, path, source) from None
     except RecursionError:
-        raise SpecError("spec is nested too deeply to parse", Loc(path, 1, 1), source) from None
+        raise _too_deep(path, source) from None
+    depth, deepest = _tree_depth(tree)
+    if depth > MAX_DEPTH:
+        raise _too_deep(path, source, deepest)
     try:
         return _ToIR(path, source).transform(tree)
     except lark.exceptions.VisitError as err:
         if isinstance(err.orig_exc, SpecError):
             raise err.orig_exc from None
+        if isinstance(err.orig_exc, RecursionError):
+            raise _too_deep(path, source) from None
         raise
+    except RecursionError:
+        raise _too_deep(path, source) from None

@@ -52,7 +52,10 @@ def print_expr(e: ir.Expr) -> str:
     if isinstance(e, ir.Index):
         return f"{_wrap(e.base, _ATOM)}[{', '.join(print_expr(a) for a in e.indices)}]"
     if isinstance(e, ir.Attribute):
-        return f"{_wrap(e.base, _ATOM)}.{e.attr}"
+        base = _wrap(e.base, _ATOM)
+        if isinstance(e.base, ir.Num):  # `2.sum` would read as the number `2.` then `sum`
+            base = f"({base})"
+        return f"{base}.{e.attr}"
     if isinstance(e, ir.Unary):
         if e.op == "neg":
             # '-' binds looser than '**' and tighter than '*': -x ** 2 is -(x ** 2).
