@@ -557,6 +557,32 @@ class _Checker:
             if f.name not in self.used:
                 raise self.error(f"flag '{f.name}' is never used", f.loc, hint="remove it or use it")
 
+    def check_nonneg(self, combo: Combo, qualify: bool) -> None:
+        """Every `nonneg` state starts and stays >= 0, by interval analysis (see `_Bounds`)."""
+        flags = dict(combo)
+        why = f" (when {describe_combo(combo)})" if qualify and combo else ""
+        bounds = _Bounds(self.spec, flags)
+        present = {s.name for s in states_present(self.spec, flags)}
+        nonneg = {s.name: s for s in self.spec.states if s.nonneg and s.name in present}
+        for s in nonneg.values():
+            low, _ = bounds.of(s.init)
+            if low < 0:
+                raise self.error(
+                    f"state '{s.name}' is declared nonneg but its initial value can be negative",
+                    s.init.loc, hint="remove 'nonneg' or start it at a value >= 0",
+                )
+        for stmt in specialize(self.spec.body, flags):
+            low, high = bounds.of(stmt.value)
+            if stmt.target in nonneg and low < 0:
+                raise self.error(
+                    f"state '{stmt.target}' is declared nonneg, but this value can be negative{why}"
+                    f" (its lower bound is {ir.format_number(low)})",
+                    stmt.value.loc,
+                    hint="int8 storage of a nonneg state uses an unsigned map that clamps at 0; remove 'nonneg' "
+                    "or narrow the ranges of the hyperparameters this value uses",
+                )
+            bounds.assign(stmt.target, (max(low, 0.0), high) if stmt.target in nonneg else (low, high))
+
     def run(self) -> None:
         self.check_declarations()
         self.check_body_structure()
@@ -573,6 +599,131 @@ class _Checker:
                 raise errors[0][1]
             self.check_combination(errors[0][0], qualify=True)
         self.check_unused()
+        failing = []
+        for combo in combos:
+            try:
+                self.check_nonneg(combo, qualify=False)
+            except SpecError:
+                failing.append(combo)
+        if failing:
+            self.check_nonneg(failing[0], qualify=len(failing) < len(combos))
+
+
+_INF = math.inf
+
+
+def _mul_iv(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    products = []
+    for x in a:
+        for y in b:
+            products.append(0.0 if x == 0 or y == 0 else x * y)  # 0 * inf counts as 0 (a bound, not a value)
+    return min(products), max(products)
+
+
+class _Bounds:
+    """Interval analysis of a specialized update: [low, high] for every value.
+
+    Hyperparameters take their declared ranges, `step` is >= 1, nonneg states
+    are >= 0, everything else per-element is unbounded.  A product is split
+    into its factors so that `c * g * g` is seen as `c * g²` (g² >= 0).
+    """
+
+    def __init__(self, spec: ir.Spec, flags: dict[str, bool]) -> None:
+        self.flags = flags
+        self.env: dict[str, tuple[float, float]] = {"step": (1.0, _INF)}
+        for h in spec.hypers:
+            self.env[h.name] = (h.interval.low, h.interval.high)
+        for s in spec.states:
+            self.env[s.name] = (0.0, _INF) if s.nonneg else (-_INF, _INF)
+        for s in spec.scalars:
+            self.env[s.name] = (-_INF, _INF)
+        self.env["param"] = self.env["grad"] = (-_INF, _INF)
+
+    def assign(self, name: str, iv: tuple[float, float]) -> None:
+        self.env[name] = iv
+
+    def of(self, e: ir.Expr) -> tuple[float, float]:
+        if isinstance(e, ir.Num):
+            return e.value, e.value
+        if isinstance(e, ir.BoolLit):
+            return 0.0, 1.0
+        if isinstance(e, ir.Name):
+            return self.env.get(e.id, (-_INF, _INF))
+        if isinstance(e, ir.Unary):
+            lo, hi = self.of(e.operand)
+            return (-hi, -lo) if e.op == "neg" else (0.0, 1.0)
+        if isinstance(e, ir.Binary):
+            if e.op == "mul":
+                return self._product(e)
+            a, b = self.of(e.left), self.of(e.right)
+            if e.op == "add":
+                return a[0] + b[0], a[1] + b[1]
+            if e.op == "sub":
+                return a[0] - b[1], a[1] - b[0]
+            if e.op == "div":
+                if b[0] > 0:
+                    return _mul_iv(a, (1.0 / b[1] if b[1] < _INF else 0.0, 1.0 / b[0]))
+                if a[0] >= 0 and b[0] >= 0:
+                    return 0.0, _INF
+                return -_INF, _INF
+            if e.op == "pow":
+                return (0.0, _INF) if a[0] >= 0 else (-_INF, _INF)
+            return 0.0, 1.0  # comparisons and logic
+        if isinstance(e, ir.Call):
+            args = [self.of(x) for x in e.args]
+            f = e.func
+            if f in ("sqrt", "rsqrt", "exp"):
+                return 0.0, _INF
+            if f == "abs":
+                lo, hi = args[0]
+                return (max(0.0, lo, -hi) if lo > 0 or hi < 0 else 0.0), max(abs(lo), abs(hi))
+            if f == "sign":
+                return -1.0, 1.0
+            if f == "min":
+                return min(args[0][0], args[1][0]), min(args[0][1], args[1][1])
+            if f == "max":
+                return max(args[0][0], args[1][0]), max(args[0][1], args[1][1])
+            if f == "clamp":
+                return max(min(args[0][0], args[2][0]), args[1][0]), min(max(args[0][1], args[1][1]), args[2][1])
+            if f == "where":
+                cond = e.args[0]
+                try:
+                    taken = eval_static(cond, self.flags)
+                except (AssertionError, KeyError):
+                    taken = None
+                if taken is True:
+                    return args[1]
+                if taken is False:
+                    return args[2]
+                return min(args[1][0], args[2][0]), max(args[1][1], args[2][1])
+            return -_INF, _INF  # log
+        return -_INF, _INF
+
+    def _product(self, e: ir.Expr) -> tuple[float, float]:
+        factors: list[ir.Expr] = []
+
+        def collect(x: ir.Expr) -> None:
+            if isinstance(x, ir.Binary) and x.op == "mul":
+                collect(x.left)
+                collect(x.right)
+            else:
+                factors.append(x)
+
+        collect(e)
+        result = (1.0, 1.0)
+        remaining = list(factors)
+        while remaining:
+            f = remaining.pop(0)
+            twin = next((i for i, g in enumerate(remaining) if g == f), None)
+            if twin is not None:  # f * f >= 0
+                remaining.pop(twin)
+                lo, hi = self.of(f)
+                square_hi = max(lo * lo, hi * hi)
+                square_lo = 0.0 if lo <= 0 <= hi else min(lo * lo, hi * hi)
+                result = _mul_iv(result, (square_lo, square_hi))
+            else:
+                result = _mul_iv(result, self.of(f))
+        return result
 
 
 def _iter_names(expr: ir.Expr) -> Iterator[ir.Name]:
