@@ -104,6 +104,19 @@ def _elem_operand(o: Operand, bool_exports: set[str]) -> str:
     return f"({name} != 0)" if o.name in bool_exports else name
 
 
+def _wrapped_args(args: list[str], indent: str, width: int = 110) -> str:
+    """Call arguments, comma-separated, wrapped at `width` columns, each line starting with `indent`."""
+    lines, line = [], indent
+    for arg in args:
+        piece = arg + ","
+        if line.strip() and len(line) + 1 + len(piece) > width:
+            lines.append(line)
+            line = indent
+        line = line + (" " if line.strip() else "") + piece
+    lines.append(line)
+    return "\n".join(lines)
+
+
 def _int_power(base: str, n: int) -> str:
     return " * ".join([base] * n)
 
@@ -191,7 +204,22 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
                     any(a.kind == "hyper" and a.name == h.name for i in low.host for a in i.args)
                     or any(o.kind == "hyper" and o.name == h.name for o in low.exports)
                     or any(o.kind == "hyper" and o.name == h.name for _, o in low.scalar_updates)]
+    state_ptrs = [name for s in states for name in (f"S_{s}", f"SCALE_{s}")]
+    exports = [f"h_{n}" for n in export_names]
+    layouts = [f"LAYOUT_{s}" for s in states]
+    common = ["n_blocks", "seed", "W_BF16", "STOCHASTIC"]
+
+    def apply_args(weight: str, grad: str, offs_n: str, rows: str, indent: str) -> str:
+        return _wrapped_args(
+            [weight, *state_ptrs, *exports, grad, offs_n, "offs_k", "pid_k * BLOCK_K", "N", "K", *common,
+             *layouts, rows, "BLOCK_K"],
+            indent,
+        )
+
     return {
+        "apply_fused0": apply_args("W", "acc0", "offs_n0", "BLOCK_N // SPLIT_N", " " * 8),
+        "apply_fused1": apply_args("W", "acc1", "offs_n1", "BLOCK_N // 2", " " * 12),
+        "apply_step": apply_args("P", "b_grad", "offs_n", "BLOCK_N", " " * 8),
         "index": index,
         "combo": describe_combo(low.combo) or "no flags",
         "combo_key": repr(tuple(low.combo)),
