@@ -1,0 +1,123 @@
+"""`forge-bench` in its CPU smoke mode: Triton interpreter, tiny shapes, timings by perf_counter, no memory.
+
+Each subcommand runs through `main([...])` into tmp_path and must write its
+JSON (with the environment and the command line) and PNG, show a progress bar
+on stderr and print its table last.  The GPU runs themselves are not tested here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from forge_dsl.bench import kernel, model
+from forge_dsl.bench.__main__ import main
+
+CPU = ["--device", "cpu", "--quick"]
+
+
+def run_bench(tmp_path, capsys, *args: str) -> dict:
+    """Run `forge-bench <args> --device cpu --quick --out tmp_path`; check the files and output; the JSON."""
+    argv = [*args, *CPU, "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    (json_path,) = tmp_path.glob(f"{args[0]}-quick-*.json")
+    assert json_path.with_suffix(".png").stat().st_size > 1000
+    data = json.loads(json_path.read_text())
+    assert data["subcommand"] == args[0]
+    assert data["command"] == "forge-bench " + " ".join(argv)
+    assert data["device"].startswith("CPU") and data["cuda"] is None
+    assert data["torch"] == torch.__version__
+    for key in ("triton", "date", "settings", "git_commit"):
+        assert key in data
+    lines = out.out.rstrip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    assert all(line.startswith("|") for line in lines[header:]) or lines[-1].startswith("(")  # the table is last
+    assert len(lines[header:]) >= 2 + len(data["rows"])
+    assert str(json_path) in out.out
+    assert "[" in out.err and "#" in out.err  # the progress bar
+    return data
+
+
+def test_kernel_smoke(tmp_path, capsys):
+    data = run_bench(tmp_path, capsys, "kernel", "--config", "64,64,64,4,1,2")
+    rows = {r["spec"]: r for r in data["rows"]}
+    assert set(rows) == {"adamw", "lion"}
+    for r in rows.values():
+        assert (r["N"], r["K"], r["T"], r["layout"]) == (128, 128, 64, "bf16")
+        assert (r["config"]["block_n"], r["config"]["split_n"]) == (64, 2)
+        assert r["errors"] == {}
+        assert r["fused_ms"] > 0 and r["dw_ours_ms"] > 0 and r["floor_ms"] > 0
+        assert r["fused_vs_floor"] == pytest.approx(r["fused_ms"] / r["floor_ms"])
+    assert rows["adamw"]["dw_torch_ms"] > 0 and rows["adamw"]["torch_step"] == "AdamW(fused=True)"
+    assert rows["lion"]["dw_torch_ms"] is None and rows["lion"]["torch_step"] is None
+
+
+def test_model_smoke(tmp_path, capsys):
+    data = run_bench(tmp_path, capsys, "model")
+    rows = {r["method"]: r for r in data["rows"]}
+    assert set(rows) == {"torch-adamw", "forge-bf16"}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["model"] == "tiny-llama"
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0
+        for pool in ("peak", "weights", "optimizer_state", "gradients", "rest"):
+            assert r[f"{pool}_gib"] is None  # memory is measured on CUDA only
+
+
+def test_convergence_smoke(tmp_path, capsys):
+    data = run_bench(tmp_path, capsys, "convergence", "--steps", "4")
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["torch-adamw-fp32", "forge-fp32", "forge-bf16-sr", "forge-bf16-sr-int8",
+                          "forge-bf16-nearest"]
+    assert rows["torch-adamw-fp32"]["max_abs_delta"] == 0
+    assert rows["forge-fp32"]["max_abs_delta"] < 1e-4  # fp32 weights and state: only summation order differs
+    for r in rows.values():
+        assert len(r["losses"]) == 4
+        for key in ("mean_abs_delta", "max_abs_delta", "mean_abs_delta_smoothed", "max_abs_delta_smoothed"):
+            assert r[key] >= 0
+
+
+def test_bad_options_are_one_line_errors(tmp_path):
+    with pytest.raises(SystemExit, match="unknown shape 'llama9'"):
+        main(["kernel", *CPU, "--out", str(tmp_path), "--shapes", "llama9"])
+    with pytest.raises(SystemExit, match="no built-in optimizer named 'adamx'"):
+        main(["kernel", *CPU, "--out", str(tmp_path), "--specs", "adamx"])
+    with pytest.raises(SystemExit, match="unknown methods"):
+        main(["model", *CPU, "--out", str(tmp_path), "--methods", "sgd"])
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in ("kernel", "model", "convergence"))
+
+
+def test_config_option_is_a_tile_config():
+    cfg = kernel.parse_config("64,128,256,8,3,2")
+    assert (cfg.block_t, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_n) == \
+        (64, 128, 256, 8, 3, 2)
+
+
+def test_floor_matches_perf_md():
+    """docs/PERF.md: W 4096², bf16 everything: AdamW 0.049 / 0.087 / 0.348 ms at T = 512 / 2048 / 8192; Lion 0.033."""
+    square = kernel.Shape("square", 4096, 4096)
+    for spec, T, expected in (("adamw", 512, 0.049), ("adamw", 2048, 0.087), ("adamw", 8192, 0.348),
+                              ("lion", 512, 0.033)):
+        floor = kernel.floor_ms(T, 4096, 4096, kernel.moved_bytes(spec, square, T, "bf16"))["floor_ms"]
+        assert floor == pytest.approx(expected, abs=0.0006)
+
+
+def test_kernel_shapes_are_the_models_linear_layers():
+    """Every shape of `forge-bench kernel` is a Linear of the model config `forge-bench model` builds."""
+    import transformers
+
+    for prefix, name in (("llama3.1-8b", "llama3.1-8b"), ("qwen3-14b", "qwen3-14b")):
+        config_class, dims = model.MODELS[name]
+        with torch.device("meta"):
+            m = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**dims))
+        linears = {tuple(mod.weight.shape) for mod in m.modules() if isinstance(mod, torch.nn.Linear)}
+        assert {(s.N, s.K) for s in kernel.SHAPES if s.name.startswith(prefix + ".")} == linears
