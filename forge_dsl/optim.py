@@ -1,0 +1,423 @@
+"""`ForgeOptimizer`: a torch.optim.Optimizer that updates linear weights inside backward.
+
+    opt = forge_dsl.ForgeOptimizer(model, "adamw", lr=3e-4, betas=(0.9, 0.95),
+                                   weight_decay=0.1, state_dtype="int8")
+    loss.backward()   # every eligible nn.Linear weight is updated here, tile by tile
+    opt.step()        # the remaining parameters, from their .grad, same spec
+    opt.zero_grad()
+
+How it works: each eligible `nn.Linear` gets an instance-level `forward` that
+runs `_ForgeLinearFn`.  Its backward computes ΔX = ΔY·W with the old weight,
+then calls the tile-fused kernel, which accumulates each tile of dW = ΔYᵀX in
+registers and applies the spec's update there: the weight never gets a `.grad`.
+Module names and `state_dict` keys do not change.
+
+Exactness rules (each refused loudly when it cannot hold):
+  * a weight used by several modules (tied embeddings) is never fused; a
+    Linear called several times in one forward pass (a shared layer) returns
+    its dW to autograd for that step and is stepped unfused, exactly;
+  * a second backward through a fused weight before `step()` (gradient
+    accumulation) raises: its first update already happened;
+  * a fused weight that also gets a gradient from a use outside its Linear
+    (`F.linear(x, module.weight)`) raises in `step()`;
+  * global-norm clipping needs every gradient before any update, so
+    `torch.nn.utils.clip_grad_norm_` on fused weights raises (Hugging Face
+    Trainer: `TrainingArguments(max_grad_norm=0)`; with `max_norm=inf`, which
+    only measures, it returns NaN), and `max_grad_norm=` is not offered (see
+    `_CLIP_MESSAGE`);
+  * `torch.autocast` over a fused layer raises: train a bf16 model instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+
+from .api import SpecLike, init_state, load_spec
+from .config import resolve_hypers
+from .kernels import launch
+from .kernels.launch import fused_linear_step, step as elementwise_step
+
+__all__ = ["ForgeOptimizer"]
+
+_CLIP_MESSAGE = (
+    "global-norm gradient clipping needs every gradient before any weight is updated, but FORGE updates "
+    "linear weights inside backward without ever storing their gradients, so the norm cannot be taken "
+    "exactly (doing it would need a second backward pass). Train without clipping: torch users drop "
+    "clip_grad_norm_; Hugging Face Trainer users set TrainingArguments(max_grad_norm=0)."
+)
+
+# Fused parameters of live ForgeOptimizers, for the clip_grad_norm_ guard, by id: a WeakSet would
+# compare tensors with `==` (element-wise) on lookup and raise "Boolean value of Tensor ... ambiguous".
+_FUSED_PARAMS: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
+
+
+def _is_fused(p: Any) -> bool:
+    return isinstance(p, torch.Tensor) and _FUSED_PARAMS.get(id(p)) is p
+
+
+def _install_clip_guard() -> None:
+    """Make torch.nn.utils.clip_grad_norm_ refuse parameters whose gradients FORGE consumes in backward."""
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    original = clip_grad.clip_grad_norm_
+    if getattr(original, "_forge_guard", False):
+        return
+
+    @functools.wraps(original)
+    def guarded(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        fused = [p for p in params if _is_fused(p)]
+        if fused:
+            max_norm = kwargs["max_norm"] if "max_norm" in kwargs else (args[0] if args else None)
+            if max_norm is not None and math.isinf(float(max_norm)):
+                # Nothing would be clipped, only measured (Hugging Face Trainer logs grad_norm this way even
+                # with max_grad_norm=0): the step stays exact, but the fused weights' gradients were never
+                # formed, so the total norm is unknown: NaN, rather than a norm that leaves them out.
+                return torch.tensor(float("nan"), device=fused[0].device)
+            raise RuntimeError("clip_grad_norm_ cannot see the gradients of FORGE-fused weights: " + _CLIP_MESSAGE)
+        return original(params, *args, **kwargs)
+
+    guarded._forge_guard = True
+    clip_grad.clip_grad_norm_ = guarded
+    nn_utils.clip_grad_norm_ = guarded
+
+
+class _ForgeLinearFn(torch.autograd.Function):
+    """y = x Wᵀ + b.  Backward: ΔX with the old W, then the fused update of W (or dW, when unfused)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, handle):
+        ctx.save_for_backward(x)
+        ctx.handle = handle
+        ctx.weight = weight  # not saved through autograd: it is updated in place in backward
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # the old weight, before the update
+        dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dweight = ctx.handle.consume(x, dy)
+        return dx, dweight, dbias, None
+
+
+class _FusedHandle:
+    """Bookkeeping of one fused Linear weight: uses in this step, and the update call."""
+
+    def __init__(self, opt: "ForgeOptimizer", module: torch.nn.Linear, name: str) -> None:
+        self.opt_ref = weakref.ref(opt)
+        self.module_ref = weakref.ref(module)
+        self.weight = module.weight
+        self.name = name
+        self.forward_uses = 0  # calls with grad in this step (recomputation inside backward excluded)
+        self.updated = False  # the fused update of this step has run
+        self.shared = False  # the last backward found it called several times in one step: stepped unfused
+
+    def consume(self, x: torch.Tensor, dy: torch.Tensor) -> Optional[torch.Tensor]:
+        opt = self.opt_ref()
+        if opt is None:
+            raise RuntimeError(f"the ForgeOptimizer of '{self.name}' no longer exists")
+        if self.updated:
+            raise RuntimeError(
+                f"'{self.name}' received a second gradient before optimizer.step(): FORGE already applied "
+                f"this step's update inside the first backward, so gradient accumulation over micro-batches "
+                f"(or a second backward through the same graph, or a layer called twice inside a reentrant "
+                f"checkpoint) cannot be exact. Call optimizer.step() after every backward, or use a larger "
+                f"batch instead of accumulation."
+            )
+        # Decided per step: a layer called several times in this forward (a shared layer, or a stray forward
+        # with grad enabled since the last step) hands each use's dW to autograd, summed into .grad.
+        self.shared = self.forward_uses > 1
+        if self.shared:
+            return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(self.weight.dtype)
+        opt._fused_update(self.weight, x, dy)
+        self.updated = True
+        return None
+
+
+def _fused_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    handle: _FusedHandle = module._forge_handle
+    if not (torch.is_grad_enabled() and module.weight.requires_grad):
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    if torch.is_autocast_enabled(x.device.type):
+        # Otherwise backward fails with an opaque dtype mismatch (bf16 dY against fp32 X and W).
+        raise RuntimeError(
+            f"'{handle.name}' is updated by FORGE inside backward, which does not support torch.autocast "
+            "(mixed precision over float32 weights). Train the model in bfloat16 instead: model.bfloat16() "
+            "(FORGE writes bf16 weights with stochastic rounding) without autocast; Hugging Face Trainer "
+            "users convert the model and leave TrainingArguments(bf16=False, fp16=False)."
+        )
+    if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward (checkpointing)
+        handle.forward_uses += 1
+    return _ForgeLinearFn.apply(x, module.weight, module.bias, handle)
+
+
+class ForgeOptimizer(torch.optim.Optimizer):
+    """An optimizer written as a `.fopt` spec, fused into the backward of linear layers.
+
+    Args:
+        model: the nn.Module to train; its eligible nn.Linear weights are updated in backward.
+        spec: a built-in name ("adamw", "lion", ...) or a path to any `.fopt` (compiled on first use).
+        params: optional torch-style parameters or param groups (e.g. no weight decay on norms
+            and biases); default: all of `model.parameters()` that require grad.
+        state_dtype: optimizer state layout: "fp32", "bf16", "int8" (block-64 quantized), or a
+            dict per state name; default "fp32".
+        rounding: bf16 weight write-back, "stochastic" (default) or "nearest".
+        seed: stochastic-rounding seed (each parameter draws its own stream from it).
+        fuse: False steps every parameter from its gradient (no fusion; for comparisons).
+        **hypers: the spec's keywords with torch's names and defaults (`lr`, `betas=(...)`, ...).
+
+    Raises:
+        ValueError: bad hyperparameters (like torch.optim), `max_grad_norm` (see module docstring),
+            or a model whose parameters the kernels cannot run on (dtype or device).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: SpecLike,
+        *,
+        params: Optional[Iterable] = None,
+        state_dtype: Union[str, Mapping[str, str]] = "fp32",
+        rounding: str = "stochastic",
+        seed: int = 0,
+        fuse: bool = True,
+        **hypers: Any,
+    ) -> None:
+        if "max_grad_norm" in hypers:
+            raise ValueError("ForgeOptimizer does not offer max_grad_norm: " + _CLIP_MESSAGE)
+        if rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+        self.spec = load_spec(spec)
+        resolve_hypers(self.spec, hypers, caller="ForgeOptimizer")  # unknown keywords, ranges: raise now
+        defaults = dict(self.spec.keyword_defaults())
+        hypers = dict(hypers)
+        for g in self.spec.groups:  # members given by name (beta1=...) become torch's tuple (betas=...)
+            if any(m in hypers for m in g.members):
+                values = list(hypers.get(g.name, defaults[g.name]))
+                for i, m in enumerate(g.members):
+                    if m in hypers:
+                        values[i] = hypers.pop(m)
+                hypers[g.name] = tuple(values)
+        defaults.update(hypers)
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            resolve_hypers(self.spec, self._group_hypers(group), caller="ForgeOptimizer")  # validate early
+        self.state_dtype = state_dtype
+        self.rounding = rounding
+        self.seed = int(seed)
+        self._param_index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        for p in self._param_index:
+            self._check_param(p)
+        self._handles: dict[torch.nn.Parameter, _FusedHandle] = {}
+        self._unfused_reason: dict[torch.nn.Parameter, str] = {}
+        self._names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+        if fuse:
+            self._attach(model)
+        _install_clip_guard()
+
+    # -- construction ------------------------------------------------------
+    def _group_hypers(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """The spec's keywords in a param group (schedulers add others, e.g. initial_lr)."""
+        keys = self.spec.keyword_defaults()
+        return {k: v for k, v in group.items() if k in keys and v is not None}
+
+    def _check_param(self, p: torch.Tensor) -> None:
+        if p.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"parameter of dtype {p.dtype}: FORGE kernels update float32 or bfloat16 weights; "
+                "convert the model with model.float() or model.bfloat16()"
+            )
+        if p.device.type != "cuda" and not launch.interpreting():
+            raise ValueError(
+                f"parameter on {p.device}: FORGE kernels run on CUDA (model.cuda()), or on the CPU only in "
+                "the Triton interpreter (TRITON_INTERPRET=1 set before importing triton, for tests)"
+            )
+        if not p.is_contiguous():
+            raise ValueError("FORGE updates parameters in place and needs them contiguous")
+
+    def _attach(self, model: torch.nn.Module) -> None:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or "FullyShardedDataParallel" in type(
+            model
+        ).__name__:
+            raise ValueError(
+                "FORGE cannot fuse under data parallelism (DDP/FSDP): each rank would update its weights from its "
+                "own partial gradient before the all-reduce. Use fuse=False, or tensor/sequence parallelism."
+            )
+        owners: dict[int, int] = {}
+        for _, module in model.named_modules(remove_duplicate=False):
+            for p in module._parameters.values():
+                if p is not None:
+                    owners[id(p)] = owners.get(id(p), 0) + 1
+        seen: set[int] = set()
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or id(module) in seen:
+                continue
+            seen.add(id(module))
+            w = module.weight
+            pname = f"{name}.weight" if name else "weight"
+            if w not in self._group_of:
+                continue
+            if owners.get(id(w), 0) > 1:
+                self._unfused_reason[w] = "shared with another module (e.g. tied embeddings)"
+                continue
+            if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
+                # nn.MultiheadAttention reads out_proj.weight directly, never through out_proj.forward.
+                self._unfused_reason[w] = "read directly by nn.MultiheadAttention"
+                continue
+            if not w.requires_grad:
+                continue
+            other = getattr(module, "_forge_handle", None)
+            if other is not None and other.opt_ref() is not None and other.opt_ref() is not self:
+                raise ValueError(
+                    f"'{pname}' is already fused by another ForgeOptimizer; call .detach() on that one first"
+                )
+            handle = _FusedHandle(self, module, pname)
+            module._forge_handle = handle
+            module.forward = _fused_forward.__get__(module, type(module))
+            self._handles[w] = handle
+            _FUSED_PARAMS[id(w)] = w
+
+    def detach(self) -> None:
+        """Give every fused Linear its own forward back (the model then trains with any optimizer)."""
+        for handle in self._handles.values():
+            module = handle.module_ref()
+            if module is not None and getattr(module, "_forge_handle", None) is handle:
+                del module.forward
+                del module._forge_handle
+            _FUSED_PARAMS.pop(id(handle.weight), None)
+        self._handles.clear()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's `add_param_group`; parameters added after construction are stepped from `.grad` in `step()`."""
+        super().add_param_group(param_group)
+        if not hasattr(self, "_param_index"):  # called by torch.optim.Optimizer.__init__: indexed there
+            return
+        group = self.param_groups[-1]
+        resolve_hypers(self.spec, self._group_hypers(group), caller="ForgeOptimizer")
+        for p in group["params"]:
+            self._check_param(p)
+            self._param_index[p] = len(self._param_index)
+            self._group_of[p] = group
+
+    # -- the update --------------------------------------------------------
+    def _param_seed(self, p: torch.Tensor) -> int:
+        return (self.seed * 1_000_003 + self._param_index[p]) & 0x7FFFFFFF
+
+    def _state_for(self, p: torch.Tensor, hypers: Mapping[str, Any]) -> dict:
+        state = self.state[p]
+        if not state:
+            state.update(init_state(self.spec, p.data, layout=self.state_dtype, **hypers))
+            state["step"] = torch.tensor(0.0)
+            state["seed"] = torch.tensor(self._param_seed(p), dtype=torch.int64)
+        return state
+
+    def _fused_update(self, weight: torch.nn.Parameter, x: torch.Tensor, dy: torch.Tensor) -> None:
+        group = self._group_of[weight]
+        hypers = self._group_hypers(group)
+        state = self._state_for(weight, hypers)
+        fused_linear_step(
+            self.spec, x, dy, weight.data, state, step=int(state["step"].item()) + 1,
+            seed=int(state["seed"]), rounding=self.rounding, **hypers,
+        )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step every parameter that has a `.grad` (the fused weights were stepped in backward)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hypers = self._group_hypers(group)
+            for p in group["params"]:
+                handle = self._handles.get(p)
+                if handle is not None and handle.updated:
+                    if p.grad is not None:
+                        raise RuntimeError(
+                            f"'{handle.name}' was updated inside backward by its nn.Linear, but it also received a "
+                            "gradient from a use outside that module (e.g. F.linear(x, module.weight) or "
+                            "module.weight.T elsewhere in forward): that gradient cannot be added to an update "
+                            "already applied, and backward through the other use may have read the updated weight. "
+                            "Use the weight only through its module, or construct the optimizer with fuse=False."
+                        )
+                    self.state[p]["step"] += 1
+                    continue
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("sparse gradients are not supported (nn.Embedding(sparse=True))")
+                state = self._state_for(p, hypers)
+                elementwise_step(
+                    self.spec, p.data, p.grad, state, step=int(state["step"].item()) + 1,
+                    seed=int(state["seed"]), rounding=self.rounding, **hypers,
+                )
+                state["step"] += 1
+        for handle in self._handles.values():
+            handle.forward_uses = 0
+            handle.updated = False
+        return loss
+
+    # -- reporting and checkpoints -----------------------------------------
+    def describe(self) -> str:
+        """Which weights are updated inside backward, and why the others are not."""
+        lines = [f"ForgeOptimizer({self.spec.name}, state {self.state_dtype}, rounding {self.rounding})"]
+        fused = [h.name for h in self._handles.values() if not h.shared]
+        shared = [h.name for h in self._handles.values() if h.shared]
+        lines.append(f"  fused in backward ({len(fused)}): " + (", ".join(fused) or "none"))
+        if shared:
+            lines.append(f"  unfused, used several times in the last step ({len(shared)}): " + ", ".join(shared))
+        for p, why in self._unfused_reason.items():
+            lines.append(f"  unfused, {why}: {self._names.get(p, '?')}")
+        rest = [self._names.get(p, "?") for p in self._param_index if p not in self._handles and p not in
+                self._unfused_reason]
+        lines.append(f"  stepped from .grad in step() ({len(rest)}): " + (", ".join(rest) or "none"))
+        return "\n".join(lines)
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["forge"] = {"spec": self.spec.name, "state_dtype": self.state_dtype, "rounding": self.rounding,
+                       "seed": self.seed}
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a `state_dict()`; states keep their saved dtypes (int8 codes, fp32 scales) and move to their
+        parameter's device; step, seed and scalar states stay on the CPU, where `init_state` makes them."""
+        state_dict = dict(state_dict)
+        meta = state_dict.pop("forge", None)
+        if meta is not None and meta["spec"] != self.spec.name:
+            raise ValueError(f"state_dict is for optimizer '{meta['spec']}', this one runs '{self.spec.name}'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError("state_dict has a different number of param groups or parameters per group")
+        id_map = {
+            old: p for sg, g in zip(saved_groups, self.param_groups) for old, p in zip(sg["params"], g["params"])
+        }
+        self.state.clear()
+        scalar_keys = set(self.spec.scalar_names) | {"step", "seed"}
+        for old_id, values in state_dict["state"].items():
+            p = id_map[old_id]
+            self.state[p] = {
+                k: v.to("cpu" if k in scalar_keys else p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                for k, v in values.items()
+            }
+        for sg, g in zip(saved_groups, self.param_groups):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+        if meta is not None:
+            self.rounding = meta["rounding"]
+            self.seed = meta["seed"]

@@ -1,0 +1,987 @@
+"""`ForgeOptimizer` on whole models, against the same model trained with torch.optim.
+
+Every comparison trains two copies of one model (same initial weights through
+`load_state_dict`, same batches): one with `ForgeOptimizer` (linear weights
+updated inside backward by the tile-fused kernel, the rest in `step()`), one
+with the torch.optim counterpart.  With fp32 weights and state only the order
+of fp32 sums differs, so every parameter must agree to a relative error
+‖a − b‖ / ‖b‖ ≤ 1e-5 after a few steps, without re-synchronising; each
+comparison also checks that the fused weights moved by far more than that, so
+a skipped update cannot pass.
+
+On a CPU-only machine the kernels run in the Triton interpreter (conftest.py),
+so the models are tiny (hidden 64, at most 2 × 16 tokens).  The two tests
+marked `gpu` need CUDA.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import forge_dsl
+from forge_dsl import ForgeOptimizer
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SPECS = forge_dsl.builtin_names()
+REL_TOL = 1e-5
+MOVED = 100 * REL_TOL  # every fused weight must move by at least this much (relative), so a no-op fails
+
+
+# ----------------------------------------------------------------------------
+# Torch counterparts and hyperparameters
+# ----------------------------------------------------------------------------
+
+
+class LionFormula(torch.optim.Optimizer):
+    """Lion as Chen et al. (2023) / lucidrains/lion-pytorch write it, independent of the DSL."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                c = b1 * m + (1 - b1) * p.grad
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(torch.sign(c), alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+TORCH_OPTIMIZER = {
+    "adamw": torch.optim.AdamW,
+    "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam,
+    "rmsprop": torch.optim.RMSprop,
+    "adagrad": torch.optim.Adagrad,
+    "sgd": torch.optim.SGD,
+    "sgd_momentum": torch.optim.SGD,
+    "lion": LionFormula,
+}
+
+# Every weight moves by 2-100 % of its norm in 4 steps (far beyond REL_TOL, small enough that the runs do not
+# amplify fp32 rounding differences); weight decay on where the spec has it.
+HYPERS = {
+    "adamw": dict(lr=2e-3, weight_decay=0.1),
+    "nadam": dict(lr=2e-3, weight_decay=0.01),
+    "radam": dict(lr=1e-2, betas=(0.9, 0.9), weight_decay=0.01),
+    "rmsprop": dict(lr=2e-4, weight_decay=0.01, momentum=0.5),
+    "adagrad": dict(lr=5e-3, weight_decay=0.01),
+    "sgd": dict(lr=2.0, weight_decay=0.01),
+    "sgd_momentum": dict(lr=1.0, momentum=0.9, weight_decay=0.01),
+    "lion": dict(lr=1e-3, weight_decay=0.1),
+}
+
+
+# RAdam's rectified update starts once rho_t > 5: at step 6 with beta2 = 0.9 (never before step 6 for any beta2).
+STEPS = {"radam": 6}
+
+
+def test_every_builtin_has_a_counterpart():
+    assert set(SPECS) == set(TORCH_OPTIMIZER) == set(HYPERS)
+
+
+# ----------------------------------------------------------------------------
+# Models, batches, training loop, comparisons
+# ----------------------------------------------------------------------------
+
+
+def llama_config(**overrides):
+    transformers = pytest.importorskip("transformers")
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+              attn_implementation="eager")
+    kw.update(overrides)
+    return transformers.LlamaConfig(**kw)
+
+
+def make_llama(seed=0, dtype=torch.float32, **overrides):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(llama_config(**overrides))
+    return model.to(device=DEVICE, dtype=dtype).train()
+
+
+class MLP(nn.Module):
+    """Linear layers with and without bias (widths not multiples of 64), a LayerNorm, inputs [B, S, D]."""
+
+    def __init__(self, d=64, h=96, out=40):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.mid = nn.Linear(h, h, bias=False)
+        self.norm = nn.LayerNorm(h)
+        self.down = nn.Linear(h, out)
+
+    def forward(self, x):
+        return self.down(self.norm(nn.functional.gelu(self.mid(torch.tanh(self.up(x))))))
+
+
+class SharedMLP(nn.Module):
+    """`shared` is called twice in every forward pass."""
+
+    def __init__(self, d=64, h=80):
+        super().__init__()
+        self.inp = nn.Linear(d, h)
+        self.shared = nn.Linear(h, h)
+        self.out = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.out(self.shared(torch.tanh(self.shared(torch.tanh(self.inp(x))))))
+
+
+def make_mlp(seed=0, dtype=torch.float32, cls=MLP):
+    torch.manual_seed(seed)
+    return cls().to(device=DEVICE, dtype=dtype)
+
+
+def twin(model: nn.Module, make) -> nn.Module:
+    """A second instance (other random init) loaded with `model`'s weights."""
+    other = make(seed=1234)
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def llama_batches(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (2, 16), generator=gen).to(DEVICE) for _ in range(n)]
+
+
+def mlp_batches(n, seed=1, d=64, out=40, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2, 5, d, generator=gen).to(DEVICE, dtype),
+             torch.randn(2, 5, out, generator=gen).to(DEVICE, dtype)) for _ in range(n)]
+
+
+def llama_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def mlp_loss(model, batch):
+    x, y = batch
+    return (model(x).float() - y.float()).pow(2).mean()
+
+
+def train(model, opt, batches, loss_fn, scheduler=None, between=None):
+    losses = []
+    for batch in batches:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        if between is not None:
+            between(model)
+        losses.append(loss.item())
+    return losses
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_params_close(ours, theirs, tol=REL_TOL):
+    theirs = dict(theirs.named_parameters())
+    errors = {n: rel_err(p, theirs[n]) for n, p in ours.named_parameters()}
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= tol}
+    assert not bad, f"relative error above {tol}: {bad}"
+
+
+def assert_params_equal(ours, theirs):
+    theirs = dict(theirs.named_parameters())
+    bad = [n for n, p in ours.named_parameters() if not torch.equal(p, theirs[n])]
+    assert not bad, f"not bit-identical: {bad}"
+
+
+def fused_names(opt: ForgeOptimizer) -> list[str]:
+    return [h.name for h in opt._handles.values() if not h.shared]
+
+
+def assert_fused_moved(opt, model, before, at_least=MOVED):
+    names = fused_names(opt)
+    assert names, "no weight was fused"
+    params = dict(model.named_parameters())
+    moved = {n: rel_err(params[n], before[n]) for n in names}
+    still = {n: f"{m:.1e}" for n, m in moved.items() if not m >= at_least}
+    assert not still, f"fused weights that barely moved: {still}"
+
+
+def describe_line(opt, text: str) -> str:
+    lines = [line for line in opt.describe().splitlines() if text in line]
+    assert lines, opt.describe()
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# 1. Every spec, on a tiny Llama and on an MLP, against torch.optim
+# ----------------------------------------------------------------------------
+
+
+MODELS = {
+    "llama": (make_llama, llama_batches, llama_loss),
+    "mlp": (make_mlp, mlp_batches, mlp_loss),
+}
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("name", SPECS)
+def test_matches_torch(name, model_name):
+    make, batches_of, loss_fn = MODELS[model_name]
+    kw = HYPERS[name]
+    ours = make()
+    theirs = twin(ours, make)
+    before = snapshot(ours)
+    opt = ForgeOptimizer(ours, name, **kw)
+    ref = TORCH_OPTIMIZER[name](theirs.parameters(), **kw)
+    steps = STEPS.get(name, 4)
+    batches = batches_of(steps)
+    losses = train(ours, opt, batches, loss_fn)
+    ref_losses = train(theirs, ref, batches, loss_fn)
+    assert_params_close(ours, theirs)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_fused_moved(opt, ours, before)
+    # All nn.Linear weights were fused; the rest (embedding, norms, biases) stepped in step().
+    n_linear = sum(isinstance(m, nn.Linear) for m in ours.modules())
+    assert len(fused_names(opt)) == n_linear
+    # Step counters as torch counts them.
+    for p in ours.parameters():
+        assert int(opt.state[p]["step"]) == steps
+
+
+def test_model_structure_unchanged():
+    model = make_llama()
+    keys = list(model.state_dict())
+    modules = [(n, type(m)) for n, m in model.named_modules()]
+    opt = ForgeOptimizer(model, "adamw")
+    assert list(model.state_dict()) == keys
+    assert [(n, type(m)) for n, m in model.named_modules()] == modules
+    assert "fused in backward (15)" in opt.describe()  # 2 layers × 7 projections + lm_head
+
+
+def test_keyword_names_and_defaults_match_torch():
+    model = make_mlp()
+    for name, cls in TORCH_OPTIMIZER.items():
+        extra = {"momentum": 0.9} if name == "sgd_momentum" else {}
+        ours = ForgeOptimizer(model, name, fuse=False, **extra).param_groups[0]
+        theirs = cls(model.parameters(), **extra).param_groups[0]
+        for key in forge_dsl.load_spec(name).keyword_defaults():
+            assert ours[key] == theirs[key], (name, key, ours[key], theirs[key])
+
+
+def test_beta_members_by_name_become_torch_tuple():
+    opt = ForgeOptimizer(make_mlp(), "adamw", beta2=0.95)
+    assert opt.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+# ----------------------------------------------------------------------------
+# 2, 3. Weights that cannot be fused: tied embeddings, a layer called twice
+# ----------------------------------------------------------------------------
+
+
+def test_tied_embeddings_are_stepped_unfused():
+    make = lambda seed=0: make_llama(seed, tie_word_embeddings=True)  # noqa: E731
+    ours = make()
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    theirs = twin(ours, make)
+    before = snapshot(ours)
+    opt = ForgeOptimizer(ours, "adamw", **HYPERS["adamw"])
+    ref = torch.optim.AdamW(theirs.parameters(), **HYPERS["adamw"])
+    assert "lm_head" not in describe_line(opt, "fused in backward")
+    assert "tied" in describe_line(opt, "lm_head.weight") and "unfused" in describe_line(opt, "lm_head.weight")
+    batches = llama_batches(3)
+    train(ours, opt, batches, llama_loss)
+    train(theirs, ref, batches, llama_loss)
+    assert_params_close(ours, theirs)
+    assert_fused_moved(opt, ours, before)
+    assert rel_err(ours.lm_head.weight, before["model.embed_tokens.weight"]) >= MOVED
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_layer_called_twice_is_stepped_unfused(name):
+    make = lambda seed=0: make_mlp(seed, cls=SharedMLP)  # noqa: E731
+    ours = make()
+    theirs = twin(ours, make)
+    before = snapshot(ours)
+    opt = ForgeOptimizer(ours, name, **HYPERS[name])
+    ref = TORCH_OPTIMIZER[name](theirs.parameters(), **HYPERS[name])
+    batches = mlp_batches(3, out=64)
+    train(ours, opt, batches, mlp_loss)
+    train(theirs, ref, batches, mlp_loss)
+    assert_params_close(ours, theirs)
+    line = describe_line(opt, "shared.weight")
+    assert "unfused" in line and "several times" in line
+    assert "shared.weight" not in describe_line(opt, "fused in backward")
+    assert sorted(fused_names(opt)) == ["inp.weight", "out.weight"]
+    assert_fused_moved(opt, ours, before)
+    assert rel_err(ours.shared.weight, before["shared.weight"]) >= MOVED
+
+
+class DirectUse(nn.Module):
+    """`a.weight` is used by its module and once more directly, which no ownership count can see."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 40)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(torch.tanh(nn.functional.linear(h, self.a.weight)))
+
+
+def test_weight_also_used_outside_its_linear_is_refused():
+    make = lambda seed=0: make_mlp(seed, cls=DirectUse)  # noqa: E731
+    model = make()
+    opt = ForgeOptimizer(model, "sgd", lr=1.0)
+    mlp_loss(model, mlp_batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"'a\.weight'.*use outside that module.*fuse=False"):
+        opt.step()
+    # fuse=False: every parameter stepped from its gradient by the element-wise kernel, as torch does.
+    ours = make()
+    theirs = twin(ours, make)
+    opt = ForgeOptimizer(ours, "sgd", lr=1.0, fuse=False)
+    ref = torch.optim.SGD(theirs.parameters(), lr=1.0)
+    assert "fused in backward (0)" in opt.describe()
+    batches = mlp_batches(3)
+    train(ours, opt, batches, mlp_loss)
+    train(theirs, ref, batches, mlp_loss)
+    assert_params_close(ours, theirs)
+
+
+# ----------------------------------------------------------------------------
+# 4. Param groups and LR schedulers
+# ----------------------------------------------------------------------------
+
+
+def param_groups(model, decay=0.1, no_decay_lr=None):
+    """Weight decay on matrices only (not on biases and norms), as training recipes do."""
+    decay_params = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    no_decay = {"params": other, "weight_decay": 0.0}
+    if no_decay_lr is not None:
+        no_decay["lr"] = no_decay_lr
+    return [{"params": decay_params, "weight_decay": decay}, no_decay]
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_param_groups_match_torch(model_name):
+    make, batches_of, loss_fn = MODELS[model_name]
+    ours = make()
+    theirs = twin(ours, make)
+    before = snapshot(ours)
+    opt = ForgeOptimizer(ours, "adamw", params=param_groups(ours, 0.2, no_decay_lr=3e-3), lr=1e-2)
+    ref = torch.optim.AdamW(param_groups(theirs, 0.2, no_decay_lr=3e-3), lr=1e-2)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]
+    batches = batches_of(3)
+    train(ours, opt, batches, loss_fn)
+    train(theirs, ref, batches, loss_fn)
+    assert_params_close(ours, theirs)
+    assert_fused_moved(opt, ours, before)
+
+
+def test_fused_weights_take_their_own_groups_hyperparameters():
+    """Fused weights in three groups with different lr and weight decay, against torch with the same groups."""
+    def groups(m):
+        return [{"params": [m.up.weight], "lr": 3e-2, "weight_decay": 0.5},
+                {"params": [m.mid.weight, m.down.weight], "betas": (0.8, 0.9)},
+                {"params": [m.up.bias, m.down.bias, m.norm.weight, m.norm.bias], "weight_decay": 0.0}]
+
+    ours = make_mlp()
+    theirs = twin(ours, make_mlp)
+    opt = ForgeOptimizer(ours, "adamw", params=groups(ours), lr=1e-2, weight_decay=0.05)
+    ref = torch.optim.AdamW(groups(theirs), lr=1e-2, weight_decay=0.05)
+    batches = mlp_batches(3)
+    train(ours, opt, batches, mlp_loss)
+    train(theirs, ref, batches, mlp_loss)
+    assert_params_close(ours, theirs)
+
+
+SCHEDULERS = {
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3, eta_min=1e-4),
+    "warmup": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4),
+}
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULERS))
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_lr_scheduler_matches_torch(name, sched):
+    ours = make_mlp()
+    theirs = twin(ours, make_mlp)
+    opt = ForgeOptimizer(ours, name, params=param_groups(ours, 0.05), **HYPERS[name])
+    ref = TORCH_OPTIMIZER[name](param_groups(theirs, 0.05), **HYPERS[name])
+    s1, s2 = SCHEDULERS[sched](opt), SCHEDULERS[sched](ref)
+    batches = mlp_batches(4)
+    lrs = []
+    train(ours, opt, batches, mlp_loss, scheduler=s1, between=lambda m: lrs.append(opt.param_groups[0]["lr"]))
+    train(theirs, ref, batches, mlp_loss, scheduler=s2)
+    assert len(set(lrs)) == 4  # the rate changed every step
+    assert_params_close(ours, theirs)
+
+
+def test_add_param_group_matches_torch():
+    """A parameter added after construction (here a loss temperature) is stepped like torch steps it."""
+    ours = make_mlp()
+    theirs = twin(ours, make_mlp)
+    temps = [nn.Parameter(torch.ones((), device=DEVICE)) for _ in range(2)]
+    opt = ForgeOptimizer(ours, "adamw", **HYPERS["adamw"])
+    ref = torch.optim.AdamW(theirs.parameters(), **HYPERS["adamw"])
+    for o, t in ((opt, temps[0]), (ref, temps[1])):
+        o.add_param_group({"params": [t], "lr": 0.1, "weight_decay": 0.0})
+    for model, o, t in ((ours, opt, temps[0]), (theirs, ref, temps[1])):
+        train(model, o, mlp_batches(3), lambda m, batch: mlp_loss(m, batch) * t)
+    assert_params_close(ours, theirs)
+    assert temps[0].item() == pytest.approx(temps[1].item(), rel=1e-6) and temps[0].item() != 1.0
+
+
+def test_lr_is_read_at_backward_time():
+    """Changing a group's lr between steps takes effect in the next backward (fused) and step()."""
+    ours = make_mlp()
+    theirs = twin(ours, make_mlp)
+    opt = ForgeOptimizer(ours, "sgd", lr=1.0)
+    ref = torch.optim.SGD(theirs.parameters(), lr=1.0)
+    for i, batch in enumerate(mlp_batches(3)):
+        for o in (opt, ref):
+            o.param_groups[0]["lr"] = [1.0, 0.0, 3.0][i]
+        train(ours, opt, [batch], mlp_loss)
+        train(theirs, ref, [batch], mlp_loss)
+    assert_params_close(ours, theirs)
+
+
+class SometimesMLP(MLP):
+    """`mid` is skipped when `skip_mid` is set: its step count falls behind the others', as in torch."""
+
+    skip_mid = False
+
+    def forward(self, x):
+        h = torch.tanh(self.up(x))
+        if not self.skip_mid:
+            h = self.mid(h)
+        return self.down(self.norm(nn.functional.gelu(h)))
+
+
+def test_step_counter_seen_in_backward_is_torchs(monkeypatch):
+    import forge_dsl.optim as optim_module
+
+    seen = []
+    original = optim_module.fused_linear_step
+
+    def spy(spec, x, dy, weight, state, *, step, **kw):
+        seen.append((weight.shape, step))
+        return original(spec, x, dy, weight, state, step=step, **kw)
+
+    monkeypatch.setattr(optim_module, "fused_linear_step", spy)
+    make = lambda seed=0: make_mlp(seed, cls=SometimesMLP)  # noqa: E731
+    ours = make()
+    theirs = twin(ours, make)
+    opt = ForgeOptimizer(ours, "adamw", **HYPERS["adamw"])
+    ref = torch.optim.AdamW(theirs.parameters(), **HYPERS["adamw"])
+    for i, batch in enumerate(mlp_batches(4)):
+        ours.skip_mid = theirs.skip_mid = i == 1
+        train(ours, opt, [batch], mlp_loss)
+        train(theirs, ref, [batch], mlp_loss)
+    assert [s for shape, s in seen if shape == (96, 96)] == [1, 2, 3]  # mid: skipped once
+    assert [s for shape, s in seen if shape == (96, 64)] == [1, 2, 3, 4]  # up
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert int(opt.state[p]["step"]) == int(ref.state[q]["step"])
+    assert_params_close(ours, theirs)
+
+
+# ----------------------------------------------------------------------------
+# 5. state_dict round trip in the middle of training
+# ----------------------------------------------------------------------------
+
+
+def save(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def load(data: bytes):
+    return torch.load(io.BytesIO(data), map_location=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "w_dtype, state_dtype, name",
+    [(torch.float32, "fp32", "adamw"), (torch.bfloat16, "int8", "adamw"), (torch.bfloat16, "int8", "nadam")],
+    ids=["fp32", "bf16-int8-adamw", "bf16-int8-nadam"],
+)
+def test_state_dict_round_trip_is_bit_identical(w_dtype, state_dtype, name):
+    make = lambda seed=0: make_mlp(seed, dtype=w_dtype)  # noqa: E731
+    batches = mlp_batches(4, dtype=w_dtype)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    model = make()
+    opt = ForgeOptimizer(model, name, params=param_groups(model, 0.1), state_dtype=state_dtype, seed=5, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+    train(model, opt, batches[:2], mlp_loss, scheduler=sched)
+    saved = save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
+    train(model, opt, batches[2:], mlp_loss, scheduler=sched)  # A
+
+    # B: another init, another seed and state layout at construction: all of it must come from the checkpoint.
+    fresh = make(seed=99)
+    opt2 = ForgeOptimizer(fresh, name, params=param_groups(fresh, 0.1), state_dtype="fp32", seed=123, **kw)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1 / (s + 1))
+    ckpt = load(saved)
+    fresh.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    sched2.load_state_dict(ckpt["sched"])
+    assert opt2.seed == 5
+    train(fresh, opt2, batches[2:], mlp_loss, scheduler=sched2)
+
+    assert_params_equal(fresh, model)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        sa, sb = opt.state[p], opt2.state[q]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert sa[key].device == sb[key].device, key  # step, seed, scalars on the CPU; the rest beside p
+            assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
+    if state_dtype == "int8":
+        assert opt.state[model.mid.weight]["exp_avg"].dtype == torch.int8
+        assert opt.state[model.mid.weight]["exp_avg.scale"].shape == (96, 2)
+    # With other rounding seeds in the same checkpoint the bf16 run differs: the seed is what makes B equal A.
+    if w_dtype == torch.bfloat16:
+        other = make(seed=99)
+        opt3 = ForgeOptimizer(other, name, params=param_groups(other, 0.1), state_dtype=state_dtype, seed=6, **kw)
+        other.load_state_dict(ckpt["model"])
+        state = ckpt["opt"]
+        state["forge"]["seed"] = 6
+        for s in state["state"].values():
+            s["seed"] = s["seed"] + 1
+        opt3.load_state_dict(state)
+        sched3 = torch.optim.lr_scheduler.LambdaLR(opt3, lambda s: 1 / (s + 1))
+        sched3.load_state_dict(ckpt["sched"])
+        train(other, opt3, batches[2:], mlp_loss, scheduler=sched3)
+        assert not torch.equal(other.mid.weight, model.mid.weight)
+
+
+def test_load_state_dict_refuses_another_spec():
+    model = make_mlp()
+    sd = ForgeOptimizer(model, "adamw").state_dict()
+    with pytest.raises(ValueError, match="'adamw'.*'lion'"):
+        ForgeOptimizer(model, "lion").load_state_dict(sd)
+
+
+# ----------------------------------------------------------------------------
+# 6. Refusals, each saying what to do
+# ----------------------------------------------------------------------------
+
+
+def test_gradient_accumulation_is_refused():
+    model = make_mlp()
+    opt = ForgeOptimizer(model, "adamw")
+    batch = mlp_batches(1)[0]
+    mlp_loss(model, batch).backward()
+    message = r"second gradient before optimizer\.step\(\).*Call optimizer\.step\(\) after every backward"
+    with pytest.raises(RuntimeError, match=message):
+        mlp_loss(model, batch).backward()
+    opt.step()
+    train(model, opt, [batch], mlp_loss)  # after step() training goes on
+
+
+def test_second_backward_through_one_graph_is_refused():
+    model = make_mlp()
+    opt = ForgeOptimizer(model, "sgd")
+    loss = mlp_loss(model, mlp_batches(1)[0])
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="gradient accumulation"):
+        loss.backward()
+    opt.step()
+
+
+def test_clip_grad_norm_on_fused_weights_is_refused():
+    model = make_mlp()
+    opt = ForgeOptimizer(model, "adamw")
+    mlp_loss(model, mlp_batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_.*Train without clipping.*max_grad_norm=0"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="max_grad_norm=0"):
+        torch.nn.utils.clip_grad.clip_grad_norm_(model.up.weight, max_norm=1.0)
+    # Parameters stepped from .grad can still be clipped, and a norm that clips nothing is unknown (NaN).
+    norm = torch.nn.utils.clip_grad_norm_([model.up.bias, model.norm.weight], 1.0)
+    assert torch.isfinite(norm)
+    assert torch.isnan(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    opt.step()
+
+
+def test_clip_guard_leaves_other_models_alone():
+    ForgeOptimizer(make_mlp(), "adamw")
+    model = make_mlp()
+    mlp_loss(model, mlp_batches(1)[0]).backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    assert total > 1e-3
+    clipped = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+    assert clipped.item() == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_max_grad_norm_keyword_is_refused():
+    with pytest.raises(ValueError, match=r"does not offer max_grad_norm.*max_grad_norm=0"):
+        ForgeOptimizer(make_mlp(), "adamw", max_grad_norm=1.0)
+
+
+def test_model_on_the_wrong_device_is_refused(monkeypatch):
+    model = MLP()  # on the CPU
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"on cpu.*run on CUDA \(model\.cuda\(\)\)"):
+        ForgeOptimizer(model, "adamw")
+
+
+def test_float16_model_is_refused():
+    with pytest.raises(ValueError, match=r"torch\.float16.*model\.float\(\) or model\.bfloat16\(\)"):
+        ForgeOptimizer(make_mlp(dtype=torch.float16), "adamw")
+
+
+def test_autocast_is_refused():
+    model = make_mlp()
+    opt = ForgeOptimizer(model, "adamw")  # noqa: F841 (the fused layers hold it weakly)
+    x, y = mlp_batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"'up\.weight'.*torch\.autocast.*model\.bfloat16\(\)"):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            mlp_loss(model, (x, y))
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16  # evaluation under autocast is fine
+
+
+def test_bad_keywords_are_refused_like_torch():
+    model = make_mlp()
+    with pytest.raises(TypeError, match="did you mean 'lr'"):
+        ForgeOptimizer(model, "adamw", lrr=1e-3)
+    with pytest.raises(ValueError, match=r"Invalid betas\[1\] \(beta2\): 1.0"):
+        ForgeOptimizer(model, "adamw", betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="Invalid lr"):
+        ForgeOptimizer(model, "adamw", params=[{"params": model.parameters(), "lr": -1.0}])
+    with pytest.raises(TypeError, match="missing required keyword argument 'momentum'"):
+        ForgeOptimizer(model, "sgd_momentum")
+
+
+# ----------------------------------------------------------------------------
+# 7. Activation checkpointing, evaluation under no_grad
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "reentrant, dtype, state_dtype",
+    [(False, torch.float32, "fp32"), (True, torch.float32, "fp32"), (False, torch.bfloat16, "int8")],
+    ids=["hf-default", "reentrant", "bf16-int8"])
+def test_hf_activation_checkpointing_gives_the_same_parameters(reentrant, dtype, state_dtype):
+    make = lambda seed=0: make_llama(seed, dtype=dtype)  # noqa: E731
+    plain = make()
+    ckpt = twin(plain, make)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames it activation_checkpointing_enable
+        kwargs = {"use_reentrant": True} if reentrant else None
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        assert ckpt.is_gradient_checkpointing
+    opt1 = ForgeOptimizer(plain, "adamw", state_dtype=state_dtype, **HYPERS["adamw"])
+    opt2 = ForgeOptimizer(ckpt, "adamw", state_dtype=state_dtype, **HYPERS["adamw"])
+    batches = llama_batches(3)
+    l1 = train(plain, opt1, batches, llama_loss)
+    l2 = train(ckpt, opt2, batches, llama_loss)
+    assert l1 == pytest.approx(l2, rel=1e-6)
+    if dtype == torch.float32:
+        assert_params_close(ckpt, plain)
+    elif DEVICE.type == "cpu":  # the recomputed activations are the same bits, and so are the rounding draws
+        assert_params_equal(ckpt, plain)
+    else:  # cuBLAS may pick another reduction order for the recomputation: a bf16 ulp here and there
+        assert_params_close(ckpt, plain, tol=1e-2)
+    assert sorted(fused_names(opt1)) == sorted(fused_names(opt2))  # nothing mistaken for a shared layer
+
+
+class CheckpointedMLP(MLP):
+    reentrant = False
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: self.norm(nn.functional.gelu(self.mid(torch.tanh(self.up(t))))), x,
+            use_reentrant=self.reentrant)
+        return self.down(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_torch_checkpoint_gives_the_same_parameters(reentrant):
+    plain = make_mlp()
+    ckpt = twin(plain, lambda seed=0: make_mlp(seed, cls=CheckpointedMLP))
+    ckpt.reentrant = reentrant
+    opt1 = ForgeOptimizer(plain, "adamw", **HYPERS["adamw"])
+    opt2 = ForgeOptimizer(ckpt, "adamw", **HYPERS["adamw"])
+    batches = [(x.requires_grad_(reentrant), y) for x, y in mlp_batches(3)]
+    train(plain, opt1, batches, mlp_loss)
+    train(ckpt, opt2, batches, mlp_loss)
+    assert_params_close(ckpt, plain)
+    assert len(fused_names(opt2)) == 3
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_no_grad_evaluation_between_steps_changes_nothing(model_name):
+    make, batches_of, loss_fn = MODELS[model_name]
+    a = make()
+    b = twin(a, make)
+    opt_a = ForgeOptimizer(a, "adamw", **HYPERS["adamw"])
+    opt_b = ForgeOptimizer(b, "adamw", **HYPERS["adamw"])
+    batches = batches_of(3)
+    held_out = batches_of(1, seed=7)[0]
+    evals = []
+
+    def evaluate(model):
+        model.eval()
+        with torch.no_grad():
+            evals.append(loss_fn(model, held_out).item())
+        model.train()
+
+    train(a, opt_a, batches, loss_fn, between=evaluate)
+    train(b, opt_b, batches, loss_fn)
+    assert_params_equal(a, b)
+    assert len(evals) == 3 and all(math.isfinite(e) for e in evals)
+    assert sorted(fused_names(opt_a)) == sorted(fused_names(opt_b))
+
+
+# ----------------------------------------------------------------------------
+# 8. bf16 model, int8 state
+# ----------------------------------------------------------------------------
+
+
+def test_bf16_llama_int8_state_trains():
+    model = make_llama(dtype=torch.bfloat16)
+    before = snapshot(model)
+    opt = ForgeOptimizer(model, "adamw", lr=1e-2, state_dtype="int8")
+    ids = llama_batches(1)[0]
+    losses = train(model, opt, [ids] * 3, llama_loss)
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+    assert_fused_moved(opt, model, before, at_least=1e-3)
+    w = model.model.layers[0].mlp.up_proj.weight
+    assert w.dtype == torch.bfloat16 and opt.state[w]["exp_avg"].dtype == torch.int8
+
+
+# ----------------------------------------------------------------------------
+# 9. Hugging Face Trainer
+# ----------------------------------------------------------------------------
+
+
+def run_trainer(tmp_path, model, optimizer, **args):
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    gen = torch.Generator().manual_seed(3)
+    data = []
+    for _ in range(8):
+        ids = torch.randint(0, 128, (16,), generator=gen)
+        data.append({"input_ids": ids, "labels": ids.clone()})
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / 4)
+    training_args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
+        max_steps=3, per_device_train_batch_size=2, logging_steps=1, disable_tqdm=True, seed=0, **args)
+    trainer = Trainer(model=model, args=training_args, train_dataset=data, optimizers=(optimizer, scheduler))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_hf_trainer_default_clipping_fails_loudly(tmp_path):
+    model = make_llama()
+    opt = ForgeOptimizer(model, "adamw")
+    with pytest.raises(RuntimeError, match=r"TrainingArguments\(max_grad_norm=0\)"):
+        run_trainer(tmp_path, model, opt)  # max_grad_norm defaults to 1.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [({"gradient_accumulation_steps": 2}, r"gradient accumulation.*Call optimizer\.step\(\) after every backward"),
+     ({"bf16": True}, r"does not support torch\.autocast.*model\.bfloat16\(\).*bf16=False")],
+    ids=["accumulation", "autocast"])
+def test_hf_trainer_refusals(tmp_path, args, message):
+    model = make_llama()
+    opt = ForgeOptimizer(model, "adamw")
+    with pytest.raises(RuntimeError, match=message):
+        run_trainer(tmp_path, model, opt, max_grad_norm=0, **args)
+
+
+def test_hf_trainer_without_clipping_matches_torch(tmp_path):
+    ours = make_llama()
+    theirs = twin(ours, make_llama)
+    before = snapshot(ours)
+    opt = ForgeOptimizer(ours, "adamw", **HYPERS["adamw"])
+    ref = torch.optim.AdamW(theirs.parameters(), **HYPERS["adamw"])
+    losses = run_trainer(tmp_path / "forge", ours, opt, max_grad_norm=0)
+    ref_losses = run_trainer(tmp_path / "torch", theirs, ref, max_grad_norm=0)
+    assert len(losses) == 3
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_params_close(ours, theirs)
+    assert_fused_moved(opt, ours, before)
+
+
+# ----------------------------------------------------------------------------
+# 10. A spec from a file
+# ----------------------------------------------------------------------------
+
+
+ADAMAX = """
+# Adamax (Kingma & Ba, 2015, section 7.1), as torch.optim.Adamax computes it.
+optimizer adamax "torch.optim.Adamax"
+hyper lr = 2e-3 in [0, inf)
+hyper betas = (beta1 = 0.9, beta2 = 0.999) in [0, 1)
+hyper eps = 1e-8 in [0, inf)
+hyper weight_decay = 0 in [0, inf)
+flag maximize = false
+state exp_avg = 0
+state exp_inf = 0 nonneg
+update {
+    g = where(maximize, -grad, grad) + weight_decay * param
+    exp_avg = exp_avg + (1 - beta1) * (g - exp_avg)
+    exp_inf = max(beta2 * exp_inf, abs(g) + eps)
+    param = param - lr / (1 - beta1 ** step) * exp_avg / exp_inf
+}
+"""
+
+
+def test_user_spec_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORGE_DSL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "adamax.fopt"
+    path.write_text(ADAMAX)
+    ours = make_mlp()
+    theirs = twin(ours, make_mlp)
+    before = snapshot(ours)
+    opt = ForgeOptimizer(ours, path, lr=1e-2, weight_decay=0.01)  # a pathlib.Path, or a str
+    ref = torch.optim.Adamax(theirs.parameters(), lr=1e-2, weight_decay=0.01)
+    batches = mlp_batches(3)
+    train(ours, opt, batches, mlp_loss)
+    train(theirs, ref, batches, mlp_loss)
+    assert_params_close(ours, theirs)
+    assert_fused_moved(opt, ours, before)
+    assert "ForgeOptimizer(adamax" in opt.describe()
+
+
+# ----------------------------------------------------------------------------
+# GPU only
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_llama_int8_state_close_to_torch_adamw():
+    ours = make_llama(dtype=torch.bfloat16)
+    theirs = twin(ours, lambda seed=0: make_llama(seed, dtype=torch.bfloat16))
+    opt = ForgeOptimizer(ours, "adamw", lr=1e-3, state_dtype="int8")
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
+    ids = llama_batches(1)[0]
+    batches = [ids] * 3 + [ids]
+    losses = train(ours, opt, batches[:3], llama_loss)
+    ref_losses = train(theirs, ref, batches[:3], llama_loss)
+    with torch.no_grad():
+        losses.append(llama_loss(ours, ids).item())
+        ref_losses.append(llama_loss(theirs, ids).item())
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 0.05, (losses, ref_losses)
+
+
+class Stack(nn.Module):
+    def __init__(self, n_layers, width):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(n_layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def one_step_peak(model, x, c, opt=None) -> int:
+    """Peak bytes allocated during one forward + backward + step, above what was allocated before it.
+
+    Without `opt`, backward computes only dX (`torch.autograd.grad` on the input): the same forward graph and
+    saved activations, no weight gradient, no update: what the activations alone cost.
+    """
+    def step():
+        loss = (model(x) * c).sum()  # a loss whose backward allocates only dY
+        if opt is None:
+            torch.autograd.grad(loss, [x])
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up: optimizer state, kernels, cuBLAS workspace
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_has_no_gradient_pool():
+    """One step of 4 bf16 Linear(4096, 4096) layers on 512 tokens: FORGE never holds a weight gradient.
+
+    torch.optim.AdamW(fused=True) holds all four gradients (128 MiB) at the seam between backward and step;
+    FORGE's peak is that of the activations.  So FORGE's peak is lower by the gradients' size less the
+    activations that set its own peak (a few MiB here): "lower by the whole gradient pool" cannot hold
+    exactly, since torch's peak comes after the activations are freed and FORGE's while they are alive.
+    """
+    n_layers, width, tokens = 4, 4096, 512
+    slack = 8 * 2**20
+    x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    c = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    grad_bytes = n_layers * width * width * 2
+    peaks = {}
+    for which in ("activations", "torch", "forge"):
+        torch.manual_seed(0)
+        model = Stack(n_layers, width).to("cuda", torch.bfloat16)
+        x_in = x
+        if which == "activations":
+            opt = None
+            x_in = x.clone().requires_grad_(True)
+        elif which == "torch":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # bf16 params: bf16 state
+        else:
+            opt = ForgeOptimizer(model, "adamw", lr=1e-4, state_dtype="bf16")
+            assert len(opt._handles) == n_layers
+        peaks[which] = one_step_peak(model, x_in, c, opt)
+        del model, opt, x_in
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert peaks["torch"] >= grad_bytes, peaks  # every gradient alive at once
+    assert peaks["forge"] <= peaks["activations"] + slack, peaks  # no gradient memory at all
+    assert peaks["torch"] - peaks["forge"] >= grad_bytes - peaks["activations"] - slack, peaks
+
+
+def test_stray_forward_unfuses_only_that_step():
+    """A forward with grad enabled and no backward makes the next step unfused (exact), not every later one."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = forge_dsl.ForgeOptimizer(model, "adamw", lr=1e-2)
+    x = torch.randn(8, 16)
+    model(x)  # stray: grad enabled, never backpropagated
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    assert "used several times in the last step (2)" in opt.describe()
+    model(x).square().mean().backward()
+    opt.step()
+    assert "fused in backward (2)" in opt.describe()
+
+
+def test_multihead_attention_out_proj_is_not_fused_and_detach_restores():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.MultiheadAttention(8, 2))
+    opt = forge_dsl.ForgeOptimizer(model, "adamw")
+    assert "read directly by nn.MultiheadAttention: 1.out_proj.weight" in opt.describe()
+    with pytest.raises(ValueError, match="already fused by another ForgeOptimizer"):
+        forge_dsl.ForgeOptimizer(model, "sgd")
+    opt.detach()
+    assert "forward" not in vars(model[0])
+    forge_dsl.ForgeOptimizer(model, "sgd")
