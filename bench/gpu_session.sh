@@ -1,19 +1,41 @@
 #!/usr/bin/env bash
-# One device call: the GPU test tier, then the measurements, each under its own time limit.
+# One device call: the GPU test tier, then measurements, each under its own time limit.
 # Run from the repository root on the GPU machine; logs and JSON go to ${OUT:-bench/results}.
+#   TESTS=...  which test files (default: the kernel, layout and optimizer tiers)
+#   STAGES=... which stages to run: tests sweep kernel model convergence (default: tests sweep kernel model)
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 || echo "editable install failed (see install.log)"
+STAGES=${STAGES:-"tests sweep kernel model"}
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/install.log 2>&1 \
+    || { echo "editable install failed:"; tail -5 /tmp/install.log; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-echo "== GPU test tier"
-timeout "${TEST_LIMIT:-330}" python3 -m pytest -q -n 8 -p no:cacheprovider ${TESTS:-tests/test_kernels.py tests/test_triton_lib.py tests/test_optim.py} \
-    > "$OUT/pytest.log" 2>&1
-echo "pytest exit $?"; grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+has() { [[ " $STAGES " == *" $1 "* ]]; }
 
-echo "== tile sweep (adamw, bf16 state, 4096x4096)"
-timeout "${SWEEP_LIMIT:-150}" python3 bench/sweep_tiles.py --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
-echo "sweep exit $?"; tail -40 "$OUT/sweep.log"
+if has tests; then
+    echo "== GPU test tier"
+    timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -n 8 -p no:cacheprovider \
+        ${TESTS:-tests/test_kernels.py tests/test_triton_lib.py tests/test_optim.py} > "$OUT/pytest.log" 2>&1
+    echo "pytest exit $?"; grep -E "passed|failed|error" "$OUT/pytest.log" | tail -2
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+fi
+if has sweep; then
+    echo "== tile sweep (adamw, bf16 state, 4096x4096)"
+    timeout "${SWEEP_LIMIT:-150}" python3 bench/sweep_tiles.py --json "$OUT/sweep.json" > /tmp/sweep.log 2>&1
+    echo "sweep exit $?"; grep -v '^{' /tmp/sweep.log | tail -42
+fi
+if has kernel; then
+    echo "== forge-bench kernel ${KERNEL_ARGS:---quick}"
+    timeout "${KERNEL_LIMIT:-70}" forge-bench kernel ${KERNEL_ARGS:---quick} --out "$OUT" 2>/dev/null | tail -30
+fi
+if has model; then
+    echo "== forge-bench model ${MODEL_ARGS:---quick}"
+    timeout "${MODEL_LIMIT:-90}" forge-bench model ${MODEL_ARGS:---quick} --out "$OUT" 2>/dev/null | tail -20
+fi
+if has convergence; then
+    echo "== forge-bench convergence ${CONV_ARGS:---quick}"
+    timeout "${CONV_LIMIT:-120}" forge-bench convergence ${CONV_ARGS:---quick} --out "$OUT" 2>/dev/null | tail -20
+fi
