@@ -25,7 +25,9 @@ fi
 if has sweep; then
     echo "== tile sweep (adamw, bf16 state, 4096x4096)"
     timeout "${SWEEP_LIMIT:-150}" python3 bench/sweep_tiles.py --json "$OUT/sweep.json" > /tmp/sweep.log 2>&1
-    echo "sweep exit $?"; grep -v '^{' /tmp/sweep.log | tail -42
+    echo "sweep exit $?"; grep -v '^{' /tmp/sweep.log | tail -46
+    BEST=$(grep -o -- "--config [0-9,]*" /tmp/sweep.log | tail -1)
+    [ -n "$BEST" ] && KERNEL_ARGS="${KERNEL_ARGS:---quick} $BEST" && echo "kernel benchmark uses $BEST"
 fi
 if has kernel; then
     echo "== forge-bench kernel ${KERNEL_ARGS:---quick}"

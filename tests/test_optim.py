@@ -963,9 +963,9 @@ def test_gpu_peak_memory_has_no_gradient_pool():
 def test_stray_forward_unfuses_only_that_step():
     """A forward with grad enabled and no backward makes the next step unfused (exact), not every later one."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(DEVICE)
     opt = forge_dsl.ForgeOptimizer(model, "adamw", lr=1e-2)
-    x = torch.randn(8, 16)
+    x = torch.randn(8, 16, device=DEVICE)
     model(x)  # stray: grad enabled, never backpropagated
     model(x).square().mean().backward()
     opt.step()
@@ -977,7 +977,7 @@ def test_stray_forward_unfuses_only_that_step():
 
 
 def test_multihead_attention_out_proj_is_not_fused_and_detach_restores():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.MultiheadAttention(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.MultiheadAttention(8, 2)).to(DEVICE)
     opt = forge_dsl.ForgeOptimizer(model, "adamw")
     assert "read directly by nn.MultiheadAttention: 1.out_proj.weight" in opt.describe()
     with pytest.raises(ValueError, match="already fused by another ForgeOptimizer"):
