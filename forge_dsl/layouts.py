@@ -26,7 +26,8 @@ INT8 (signed, `int8` storage):
 UINT8_SQRT (states declared nonneg, `uint8` storage):
     x     = +0 where x < 0 or x is -0 (NaN of either sign stays NaN; done on bits)
     scale = max x over the block
-    y     = sqrt(x / scale) * 255           (IEEE division and square root)
+    inv   = 1 / scale                       (IEEE division, once per block)
+    y     = sqrt(x * inv) * 255             (IEEE square root)
     q     = round half up of y as above, clamp(q, 0, 255); 0 where scale is not finite and > 0
     r     = q * R255                        (R255 = fp32(1/255))
     x'    = (scale * r) * r
@@ -253,7 +254,8 @@ def quantize(x: Tensor, layout) -> Tuple[Tensor, Optional[Tensor]]:
         q = torch.where(ok3, q, torch.zeros_like(q))
         q = q.to(torch.int8)
     else:
-        y = torch.sqrt(x3 / s3) * 255.0
+        inv = torch.full_like(s3, 1.0) / s3  # one division per block, not per element
+        y = torch.sqrt(x3 * inv) * 255.0
         q = _round_half_up(y).clamp(0.0, 255.0)
         q = torch.where(ok3, q, torch.zeros_like(q))
         q = q.to(torch.uint8)

@@ -54,9 +54,16 @@ def interpreting() -> bool:
 
 
 def fused_config(T: int, N: int, K: int, device: torch.device) -> TileConfig:
-    """Tiles for the fused kernel: large in the interpreter (few programs), H200-tuned on CUDA."""
+    """Tiles for the fused kernel: large in the interpreter (few programs), H200-measured on CUDA.
+
+    From bench/sweep_tiles.py on the H200 (docs/PERF.md, v1): up to a few thousand tokens the
+    epilogue dominates and small 64×64 tiles, several programs per SM, hide it best; at 8192
+    tokens the GEMM dominates and 128×128 tiles re-read the activations less.
+    """
     if device.type != "cuda":
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=1)
+    if T <= 4096:
+        return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3)
     return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=3)
 
 

@@ -125,7 +125,7 @@ def random_bits(offs, seed):
     on the H200 Philox made the bf16 write-back cost more than the whole GEMM.
     Integer arithmetic only, so the interpreter and the GPU draw the same bits.
     """
-    s = seed.to(tl.int64)
+    s = tl.cast(seed, tl.int64)  # seed may arrive as a constexpr (Triton specializes e.g. seed = 1)
     lo = (s & 0xFFFFFFFF).to(tl.uint32)
     hi = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
     key = _hash32(lo ^ _hash32(hi + 0x9E3779B9))
@@ -307,7 +307,8 @@ def store_state(ptr, scale_ptr, value, offs, mask, offs_n, k_start, n_blocks,
             tl.static_assert(LAYOUT == 3, "unknown state layout")
             tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT8_SQRT state must be uint8")
             okb = _broadcast_blocks(ok, BLOCK_N, BLOCK_K)
-            t = tl.div_rn(tl.where(okb, x, 0.0), _broadcast_blocks(safe, BLOCK_N, BLOCK_K))
+            inv = tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)  # one division per block
+            t = tl.where(okb, x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)
             y = tl.sqrt_rn(t) * 255.0
             q = tl.minimum(tl.maximum(_round_half_up(y), 0.0), 255.0)
             q = tl.where(okb, q, 0.0)
