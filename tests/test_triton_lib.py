@@ -14,6 +14,7 @@ program.
 from __future__ import annotations
 
 import hashlib
+import numpy as np
 import math
 import os
 
@@ -331,7 +332,7 @@ def test_stochastic_bits_independent_of_tile_shape():
 
 # Digest of the stochastic-rounding bits of fixed inputs and seeds, computed in
 # the Triton interpreter; the GPU must give the very same bits.
-STOCHASTIC_GOLDEN = "1c429b5b185cf0e5"
+STOCHASTIC_GOLDEN = "6be96e980ffe5bd5"
 
 
 def test_stochastic_golden_digest():
@@ -574,3 +575,33 @@ def test_bf16_bits_helpers():
     y = L.bf16_from_bits(b)
     assert torch.equal(L.bf16_round_nearest_bits(y)[fin], b[fin])
     assert torch.equal(fbits(L.bf16_from_bits(b.view(torch.bfloat16))), fbits(b.view(torch.bfloat16).float()))
+
+
+def _lowbias32(x: np.ndarray) -> np.ndarray:
+    """lowbias32 in numpy on uint64 lanes, wrapped to 32 bits: an independent reference."""
+    x = x.astype(np.uint64) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _random_bits_kernel(out, seed, first, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK).to(tl.int64) + first
+    tl.store(out + tl.arange(0, BLOCK), TL.random_bits(offs, seed).to(tl.int64))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 2**31 - 1, 2**31 + 3, 2**32 + 5, 2**40 + 12345])
+def test_random_bits_match_a_numpy_reference(seed):
+    """The stochastic-rounding bits, compiled or interpreted, equal lowbias32 computed in numpy."""
+    first = 2**32 - 100  # the element index wraps at 2**32
+    out = torch.zeros(256, dtype=torch.int64, device=DEVICE)
+    _random_bits_kernel[(1,)](out, seed, first, BLOCK=256)
+    offs = (np.arange(256, dtype=np.uint64) + np.uint64(first)) & 0xFFFFFFFF
+    key = _lowbias32((_lowbias32(np.array([seed & 0xFFFFFFFF])) + 0x9E3779B9) & 0xFFFFFFFF)[0]
+    want = _lowbias32((_lowbias32(offs ^ key) + key) & 0xFFFFFFFF)
+    got = out.cpu().numpy().astype(np.uint64) & 0xFFFFFFFF
+    assert np.array_equal(got, want)

@@ -118,17 +118,17 @@ def _hash32(x):
 
 @triton.jit
 def random_bits(offs, seed):
-    """32 random bits per element, a function of (seed, element index mod 2**32) only.
+    """32 random bits per element, a function of (seed mod 2**32, element index mod 2**32) only.
 
     Two rounds of `_hash32` keyed by the seed: 4 multiplies per element, against
     about 20 for `tl.randint` (Philox-4x32-10, which computes 4 words to use one);
     on the H200 Philox made the bf16 write-back cost more than the whole GEMM.
     Integer arithmetic only, so the interpreter and the GPU draw the same bits.
     """
-    s = tl.cast(seed, tl.int64)  # seed may arrive as a constexpr (Triton specializes e.g. seed = 1)
-    lo = (s & 0xFFFFFFFF).to(tl.uint32)
-    hi = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    key = _hash32(lo ^ _hash32(hi + 0x9E3779B9))
+    # The low 32 bits of the seed only: Triton passes a seed in [2**31, 2**32) as uint32 when compiling
+    # and as int32 in the interpreter, so any use of the high bits would differ between the two.
+    lo = tl.cast(seed, tl.int64).to(tl.uint32)
+    key = _hash32(_hash32(lo) + 0x9E3779B9)
     return _hash32(_hash32(offs.to(tl.uint32) ^ key) + key)
 
 
