@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import forge_dsl
+from references import LionFormula
 
 REL_TOL = 1e-10
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -137,23 +138,6 @@ def test_sgd_momentum(lr, momentum, dampening, wd, nesterov, maximize, shape, se
     kw = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=wd, nesterov=nesterov,
               maximize=maximize)
     run_against("sgd_momentum", torch.optim.SGD, kw, ["momentum_buffer"], shape, seed, steps)
-
-
-class LionFormula(torch.optim.Optimizer):
-    """Lion as Chen et al. (2023) / lucidrains/lion-pytorch write it, independent of the DSL."""
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
-                c = b1 * m + (1 - b1) * p.grad
-                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(torch.sign(c), alpha=-group["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
 @SETTINGS
