@@ -29,8 +29,13 @@ SpecLike = Union[str, os.PathLike, ir.Spec]
 
 def builtin_names() -> list[str]:
     """Names of the specs shipped in optimizers/ (forge_dsl.optimizers)."""
+    return list(_builtin_names())
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_names() -> tuple[str, ...]:
     root = resources.files("forge_dsl.optimizers")
-    return sorted(p.name[: -len(".fopt")] for p in root.iterdir() if p.name.endswith(".fopt"))
+    return tuple(sorted(p.name[: -len(".fopt")] for p in root.iterdir() if p.name.endswith(".fopt")))
 
 
 def builtin_path(name: str) -> Path:
@@ -61,6 +66,11 @@ def load_spec(spec: SpecLike) -> ir.Spec:
         if not path.is_file():
             raise FileNotFoundError(f"no spec file at '{text}'")
         return _load_text(path.read_text(), text)
+    return _load_builtin(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _load_builtin(text: str) -> ir.Spec:
     names = builtin_names()
     if text not in names:
         raise FileNotFoundError(

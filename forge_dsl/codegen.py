@@ -9,6 +9,7 @@ timestamps, declaration order throughout.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ def _template_text(name: str) -> str:
     return resources.files("forge_dsl.templates").joinpath(name).read_text()
 
 
+@functools.lru_cache(maxsize=1)
 def template_hash() -> str:
     h = hashlib.sha256(GENERATOR_VERSION.encode())
     for name in TEMPLATE_NAMES:

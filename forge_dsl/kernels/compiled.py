@@ -28,9 +28,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FORGE_DSL_CACHE", Path.home() / ".cache" / "forge_dsl"))
 
 
+# id(spec) -> (spec, module): the launchers ask once per layer per step, so the lookup must be
+# cheaper than hashing the spec's text or its IR.
+_BY_SPEC_OBJECT: dict[int, tuple[ir.Spec, ModuleType]] = {}
+
+
 def compiled_module(spec: ir.Spec) -> ModuleType:
     """The generated module for `spec` (see the module docstring)."""
-    return _compiled(spec.name, spec_hash(spec.source), template_hash(), spec)
+    hit = _BY_SPEC_OBJECT.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    module = _compiled(spec.name, spec_hash(spec.source), template_hash(), spec)
+    _BY_SPEC_OBJECT[id(spec)] = (spec, module)
+    return module
 
 
 @functools.lru_cache(maxsize=64)
