@@ -1,6 +1,6 @@
 """The main job: train a small byte-level transformer on Shakespeare with ForgeOptimizer.
 
-    python -m forge_dsl.demo [--steps 120] [--spec adamw] [--state-layout fp32] [--png loss.png]
+    python -m forge_dsl.demo [--steps 90] [--spec adamw] [--state-layout fp32] [--png loss.png]
 
 Each nn.Linear weight is updated inside backward by the tile-fused kernel
 (dW never stored); embeddings, norms and biases by the element-wise kernel.  The
@@ -100,7 +100,7 @@ def _progress(i: int, n: int, text: str, started: float) -> None:
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=2000 if cuda else 120)
+    ap.add_argument("--steps", type=int, default=2000 if cuda else 90)
     ap.add_argument("--spec", default="adamw")
     ap.add_argument("--state-layout", default="bf16" if cuda else "fp32")
     ap.add_argument("--lr", type=float, default=3e-3 if not cuda else 1e-3)
