@@ -126,13 +126,7 @@ class _FusedHandle:
         if opt is None:
             raise RuntimeError(f"the ForgeOptimizer of '{self.name}' no longer exists")
         if self.updated:
-            raise RuntimeError(
-                f"'{self.name}' received a second gradient before optimizer.step(): FORGE already applied "
-                f"this step's update inside the first backward, so gradient accumulation over micro-batches "
-                f"(or a second backward through the same graph, or a layer called twice inside a reentrant "
-                f"checkpoint) cannot be exact. Call optimizer.step() after every backward, or use a larger "
-                f"batch instead of accumulation."
-            )
+            raise RuntimeError(_accumulation_message(self.name))
         # Decided per step: a layer called several times in this forward (a shared layer, or a stray forward
         # with grad enabled since the last step) hands each use's dW to autograd, summed into .grad.
         self.shared = self.forward_uses > 1
@@ -141,6 +135,15 @@ class _FusedHandle:
         opt._fused_update(self.weight, x, dy)
         self.updated = True
         return None
+
+
+def _accumulation_message(name: str) -> str:
+    return (
+        f"'{name}' received a second gradient before optimizer.step(): FORGE already applied this step's "
+        f"update inside the first backward, so gradient accumulation over micro-batches (or a second "
+        f"backward through the same graph, or a layer called twice inside a reentrant checkpoint) cannot be "
+        f"exact. Call optimizer.step() after every backward, or use a larger batch instead of accumulation."
+    )
 
 
 def _fused_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +159,10 @@ def _fused_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             "users convert the model and leave TrainingArguments(bf16=False, fp16=False)."
         )
     if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward (checkpointing)
+        if handle.updated:
+            # Refuse before the next micro-batch's backward can apply a second update.
+            raise RuntimeError(_accumulation_message(handle.name) + " (This forward, with gradients enabled, "
+                               "came after backward and before optimizer.step().)")
         handle.forward_uses += 1
     return _ForgeLinearFn.apply(x, module.weight, module.bias, handle)
 

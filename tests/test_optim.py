@@ -569,8 +569,11 @@ def test_gradient_accumulation_is_refused():
     batch = mlp_batches(1)[0]
     mlp_loss(model, batch).backward()
     message = r"second gradient before optimizer\.step\(\).*Call optimizer\.step\(\) after every backward"
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(RuntimeError, match=message):
         mlp_loss(model, batch).backward()
+    # Refused in the second forward, before its backward could apply a second update.
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     opt.step()
     train(model, opt, [batch], mlp_loss)  # after step() training goes on
 
