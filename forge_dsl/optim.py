@@ -16,8 +16,9 @@ Exactness rules (each refused loudly when it cannot hold):
   * a weight used by several modules (tied embeddings) is never fused; a
     Linear called several times in one forward pass (a shared layer) returns
     its dW to autograd for that step and is stepped unfused, exactly;
-  * a second backward through a fused weight before `step()` (gradient
-    accumulation) raises: its first update already happened;
+  * gradient accumulation raises: a forward with gradients through a fused
+    weight after its update and before `step()` (or a second backward through
+    it) is refused, because this step's update already happened;
   * a fused weight that also gets a gradient from a use outside its Linear
     (`F.linear(x, module.weight)`) raises in `step()`;
   * global-norm clipping needs every gradient before any update, so
