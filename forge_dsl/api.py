@@ -17,7 +17,7 @@ import torch
 from . import ir
 from .checker import check_spec
 from .config import resolve_hypers
-from .errors import SpecError, did_you_mean
+from .errors import did_you_mean
 from .parser import parse_spec
 from .layouts import quantize, resolve_layout
 from .reference import plain_state

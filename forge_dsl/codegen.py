@@ -242,8 +242,14 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
 def render_module(spec: ir.Spec, spec_path: str) -> str:
     """The generated module for `spec` (read from `spec_path`, a name shown in the header)."""
     variants = [_variant_data(spec, i, low) for i, low in enumerate(lower_all(spec))]
+    lib_imports = ["load_weight", "store_weight", "tile_offsets"]
+    if any(v["states"] for v in variants):
+        lib_imports += ["load_state", "store_state"]
+    needs_op = any("_op(" in line.expr for v in variants for line in v["host_lines"])
     template = _environment().get_template("module.py.j2")
     return template.render(
+        lib_imports=sorted(lib_imports),
+        needs_op=needs_op,
         spec_name=spec.name,
         spec_doc=spec.doc or spec.name,
         spec_path=spec_path,

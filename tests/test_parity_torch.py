@@ -8,9 +8,7 @@ Chen et al. (2023) written out here.
 
 from __future__ import annotations
 
-import math
 
-import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st

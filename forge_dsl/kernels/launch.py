@@ -13,7 +13,6 @@ Triton interpreter (`TRITON_INTERPRET=1` must be set before triton is imported).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, MutableMapping, Optional
