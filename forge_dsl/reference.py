@@ -43,41 +43,25 @@ def plain_state(spec: ir.Spec, param: torch.Tensor, cfg: StepConfig, dtype: torc
 
 
 def run_host_program(low: Lowered, hypers: Mapping[str, float], step: int, scalars: Mapping[str, float]) -> dict:
-    """Execute the host program in float64; returns every host value by name (inputs included)."""
-    env: dict[str, Any] = {}
+    """Execute the host program in float64.
 
-    def value(o: Operand):
-        if o.kind == "const":
-            return o.value
-        if o.kind == "hyper":
-            return hypers[o.name]
-        if o.kind == "step":
-            return float(step)
-        if o.kind == "scalar":
-            return scalars[o.name]
-        return env[o.name]
-
+    Returns every host value by name: the inputs (hyperparameters, scalar state,
+    `step`) and each computed value.  Names never collide: the checker keeps
+    declared names, temporaries and the built-in `step` apart.
+    """
+    env: dict[str, Any] = {**hypers, **scalars, "step": float(step)}
     for instr in low.host:
-        env[instr.name] = apply_scalar_op(instr.op, *(value(a) for a in instr.args))
-    env.update({o.name: value(o) for o in low.exports})
+        env[instr.name] = apply_scalar_op(instr.op, *(_host_value(a, env) for a in instr.args))
     return env
 
 
-def scalar_updates(low: Lowered, host: Mapping[str, Any], hypers: Mapping[str, float], step: int,
-                   scalars: Mapping[str, float]) -> dict[str, float]:
-    """The new value of each scalar state after this step."""
-    def value(o: Operand):
-        if o.kind == "const":
-            return o.value
-        if o.kind == "hyper":
-            return hypers[o.name]
-        if o.kind == "step":
-            return float(step)
-        if o.kind == "scalar":
-            return scalars[o.name]
-        return host[o.name]
+def _host_value(o: Operand, host: Mapping[str, Any]):
+    return o.value if o.kind == "const" else host[o.name]
 
-    return {name: float(value(o)) for name, o in low.scalar_updates}
+
+def scalar_updates(low: Lowered, host: Mapping[str, Any]) -> dict[str, float]:
+    """The new value of each scalar state after this step, from `run_host_program`'s values."""
+    return {name: float(_host_value(o, host)) for name, o in low.scalar_updates}
 
 
 def _tensor(x, like: torch.Tensor) -> torch.Tensor:
@@ -183,10 +167,8 @@ def reference_step(
     env: dict[str, Any] = {}
 
     def value(o: Operand):
-        if o.kind == "const":
-            return o.value
-        if o.kind in ("hyper", "step", "scalar", "host"):
-            return host[o.name] if o.kind != "step" else float(step)
+        if o.kind == "const" or o.is_host:
+            return _host_value(o, host)
         if o.kind == "param":
             return param
         if o.kind == "grad":
@@ -207,5 +189,5 @@ def reference_step(
             dest.copy_(v)
         else:
             dest.fill_(v)
-    for name, v in scalar_updates(low, host, cfg.hypers, int(step), scalars).items():
+    for name, v in scalar_updates(low, host).items():
         state[name].fill_(v)

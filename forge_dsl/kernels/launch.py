@@ -75,7 +75,8 @@ def step_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, i
 
 
 def mix_seed(seed: int, step: int) -> int:
-    """A Philox key in [0, 2**31) from (seed, step): splitmix64 of both, so every step draws new bits."""
+    """The key of `triton_lib.random_bits`, in [0, 2**31), from (seed, step): splitmix64 of both,
+    so every step draws new bits."""
     z = ((int(seed) & 0xFFFFFFFF) << 32 | (int(step) & 0xFFFFFFFF)) + 0x9E3779B97F4A7C15
     z &= 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
