@@ -211,17 +211,16 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     layouts = [f"LAYOUT_{s}" for s in states]
     common = ["n_blocks", "seed", "W_BF16", "STOCHASTIC"]
 
-    def apply_args(weight: str, grad: str, offs_n: str, rows: str, indent: str) -> str:
+    def apply_args(weight: str, grad: str, offs_n: str, indent: str) -> str:
         return _wrapped_args(
             [weight, *state_ptrs, *exports, grad, offs_n, "offs_k", "pid_k * BLOCK_K", "N", "K", *common,
-             *layouts, rows, "BLOCK_K"],
+             *layouts, "BLOCK_N", "BLOCK_K"],
             indent,
         )
 
     return {
-        "apply_fused0": apply_args("W", "acc0", "offs_n0", "BLOCK_N // SPLIT_N", " " * 8),
-        "apply_fused1": apply_args("W", "acc1", "offs_n1", "BLOCK_N // 2", " " * 12),
-        "apply_step": apply_args("P", "b_grad", "offs_n", "BLOCK_N", " " * 8),
+        "apply_fused": apply_args("W", "acc", "offs_n", " " * 8),
+        "apply_step": apply_args("P", "b_grad", "offs_n", " " * 8),
         "index": index,
         "combo": describe_combo(low.combo) or "no flags",
         "combo_key": repr(tuple(low.combo)),
@@ -242,7 +241,7 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
 def render_module(spec: ir.Spec, spec_path: str) -> str:
     """The generated module for `spec` (read from `spec_path`, a name shown in the header)."""
     variants = [_variant_data(spec, i, low) for i, low in enumerate(lower_all(spec))]
-    lib_imports = ["load_weight", "store_weight", "tile_offsets"]
+    lib_imports = ["accumulate_dw", "grouped_tile", "load_weight", "store_weight", "tile_offsets"]
     if any(v["states"] for v in variants):
         lib_imports += ["load_state", "store_state"]
     needs_op = any("_op(" in line.expr for v in variants for line in v["host_lines"])

@@ -43,12 +43,12 @@ def run_bench(tmp_path, capsys, *args: str) -> dict:
 
 
 def test_kernel_smoke(tmp_path, capsys):
-    data = run_bench(tmp_path, capsys, "kernel", "--config", "64,64,64,4,1,2")
+    data = run_bench(tmp_path, capsys, "kernel", "--config", "32,64,64,4,1")
     rows = {r["spec"]: r for r in data["rows"]}
     assert set(rows) == {"adamw", "lion"}
     for r in rows.values():
         assert (r["N"], r["K"], r["T"], r["layout"]) == (128, 128, 64, "bf16")
-        assert (r["config"]["block_n"], r["config"]["split_n"]) == (64, 2)
+        assert (r["config"]["block_t"], r["config"]["block_n"]) == (32, 64)
         assert r["errors"] == {}
         assert r["fused_ms"] > 0 and r["dw_ours_ms"] > 0 and r["floor_ms"] > 0
         assert r["fused_vs_floor"] == pytest.approx(r["fused_ms"] / r["floor_ms"])
@@ -99,9 +99,8 @@ def test_help_lists_the_subcommands(capsys):
 
 
 def test_config_option_is_a_tile_config():
-    cfg = kernel.parse_config("64,128,256,8,3,2")
-    assert (cfg.block_t, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_n) == \
-        (64, 128, 256, 8, 3, 2)
+    cfg = kernel.parse_config("64,128,256,8,3")
+    assert (cfg.block_t, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (64, 128, 256, 8, 3)
 
 
 def test_floor_matches_perf_md():

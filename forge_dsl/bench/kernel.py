@@ -101,7 +101,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tokens", help="comma-separated T (default 512,2048,8192; --quick: 512,2048; CPU: 64)")
     ap.add_argument("--layouts", help="comma-separated state layouts of ours: bf16,fp32,int8 "
                                       "(default: all; --quick: bf16)")
-    ap.add_argument("--config", type=parse_config, metavar="BT,BN,BK,WARPS,STAGES,SPLIT",
+    ap.add_argument("--config", type=parse_config, metavar="BT,BN,BK,WARPS,STAGES",
                     help="tile config of the fused kernel (default: the kernel's own choice)")
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
                     help="bf16 weight write-back of ours (default stochastic; nearest shows what Philox costs)")
@@ -109,13 +109,13 @@ def add_arguments(ap) -> None:
 
 
 def parse_config(text: str) -> TileConfig:
-    """'64,128,128,8,3,1' → TileConfig(block_t=64, block_n=128, block_k=128, num_warps=8, num_stages=3, split_n=1)."""
+    """'64,128,128,8,3' → TileConfig(block_t=64, block_n=128, block_k=128, num_warps=8, num_stages=3)."""
     try:
-        bt, bn, bk, warps, stages, split = (int(v) for v in text.split(","))
+        bt, bn, bk, warps, stages = (int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--config expects six integers BT,BN,BK,WARPS,STAGES,SPLIT, got {text!r}") from None
-    return TileConfig(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_n=split)
+            f"--config expects five integers BT,BN,BK,WARPS,STAGES, got {text!r}") from None
+    return TileConfig(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
 
 
 def _split(text: Optional[str], default: list[str]) -> list[str]:

@@ -45,7 +45,6 @@ class TileConfig:
     group_n: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    split_n: int = 1  # 2: two half-height accumulators, epilogue on one half at a time
 
 
 def interpreting() -> bool:
@@ -217,8 +216,6 @@ def fused_linear_step(
     cfg = config or fused_config(T, N, K, weight.device)
     if cfg.block_k % BLOCK:
         raise ValueError(f"block_k must be a multiple of {BLOCK}, got {cfg.block_k}")
-    if cfg.split_n not in (1, 2):
-        raise ValueError(f"split_n must be 1 or 2, got {cfg.split_n}")
     dot_fp32 = interpreting() or x.dtype == torch.float32
     precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
     grid = (triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k),)
@@ -228,7 +225,7 @@ def fused_linear_step(
         x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
         W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
         DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
-        BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n, SPLIT_N=cfg.split_n,
+        BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _commit_scalars(state, scalar_updates)

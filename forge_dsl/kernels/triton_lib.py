@@ -56,6 +56,8 @@ R255 = tl.constexpr(0.003921568859368563)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 __all__ = [
+    "accumulate_dw",
+    "grouped_tile",
     "tile_offsets",
     "bf16_bits_to_fp32",
     "fp32_to_bf16_bits_rne",
@@ -146,6 +148,51 @@ def fp32_to_bf16_bits_stochastic(x, offs, seed):
     r = (b + (rnd & 0xFFFF)) >> 16
     r = tl.where(x != x, 0x7FC0, r)
     return r.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+# ---------------------------------------------------------------------------
+# the fused kernel's token loop
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def grouped_tile(pid, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+    """Program id -> (pid_n, pid_k) of its [BLOCK_N, BLOCK_K] tile of W [N, K], in groups of GROUP_N
+    tile rows, so that programs running together share columns of X in L2 (Triton tutorial 03)."""
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    n_tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles_per_group = GROUP_N * n_tiles_k
+    first_n = (pid // tiles_per_group) * GROUP_N
+    group_size = min(n_tiles_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % tiles_per_group) % group_size
+    pid_k = (pid % tiles_per_group) // group_size
+    return pid_n, pid_k
+
+
+@triton.jit
+def accumulate_dw(X, DY, offs_n, offs_k, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
+                  DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """dW[offs_n, offs_k] = DY[:, offs_n]ᵀ · X[:, offs_k] over all T tokens, in fp32 registers.
+
+    X [T, K] and DY [T, N] with any strides; ragged edges masked; int64 offsets.
+    DOT_FP32 upcasts the operands (the interpreter's bf16 dot is wrong; fp32
+    activations are fp32 anyway); INPUT_PRECISION is "ieee", "tf32" or None
+    (native bf16). Returns the [BLOCK_N, BLOCK_K] accumulator.
+    """
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # [BN, BK]
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = offs_t < T
+        p_x = X + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :].to(tl.int64) * stride_xk
+        p_dy = DY + offs_t[:, None].to(tl.int64) * stride_dyt + offs_n[None, :].to(tl.int64) * stride_dyn
+        b_x = tl.load(p_x, mask=m_t[:, None] & (offs_k[None, :] < K), other=0.0)  # [BT, BK]
+        b_dy = tl.load(p_dy, mask=m_t[:, None] & (offs_n[None, :] < N), other=0.0)  # [BT, BN]
+        if DOT_FP32:
+            b_x = b_x.to(tl.float32)
+            b_dy = b_dy.to(tl.float32)
+        acc = tl.dot(tl.trans(b_dy), b_x, acc, input_precision=INPUT_PRECISION)
+    return acc
 
 
 # ---------------------------------------------------------------------------
