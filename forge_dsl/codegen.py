@@ -211,16 +211,28 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     layouts = [f"LAYOUT_{s}" for s in states]
     common = ["n_blocks", "seed", "W_BF16", "STOCHASTIC"]
 
-    def apply_args(weight: str, grad: str, offs_n: str, indent: str) -> str:
+    raw = ["r_param"] + [name for s in states for name in (f"r_{s}", f"q_{s}")]
+
+    def load_args(weight: str, indent: str) -> str:
         return _wrapped_args(
-            [weight, *state_ptrs, *exports, grad, offs_n, "offs_k", "pid_k * BLOCK_K", "N", "K", *common,
+            [weight, *state_ptrs, "offs", "mask", "offs_n", "k_start", "n_blocks", "W_BF16", *layouts, "BLOCK_N",
+             "BLOCK_K"],
+            indent,
+        )
+
+    def apply_args(weight: str, grad: str, indent: str) -> str:
+        return _wrapped_args(
+            [weight, *state_ptrs, *exports, grad, *raw, "offs", "mask", "offs_n", "k_start", *common,
              *layouts, "BLOCK_N", "BLOCK_K"],
             indent,
         )
 
     return {
-        "apply_fused": apply_args("W", "acc", "offs_n", " " * 8),
-        "apply_step": apply_args("P", "b_grad", "offs_n", " " * 8),
+        "raw": raw,
+        "load_args": load_args("W", " " * 8),
+        "load_args_step": load_args("P", " " * 8),
+        "apply_fused": apply_args("W", "acc", " " * 8),
+        "apply_step": apply_args("P", "b_grad", " " * 8),
         "index": index,
         "combo": describe_combo(low.combo) or "no flags",
         "combo_key": repr(tuple(low.combo)),
@@ -241,9 +253,10 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
 def render_module(spec: ir.Spec, spec_path: str) -> str:
     """The generated module for `spec` (read from `spec_path`, a name shown in the header)."""
     variants = [_variant_data(spec, i, low) for i, low in enumerate(lower_all(spec))]
-    lib_imports = ["accumulate_dw", "grouped_tile", "load_weight", "store_weight", "tile_offsets"]
+    lib_imports = ["accumulate_dw", "decode_weight", "load_weight", "load_weight_raw", "store_weight", "tile_at",
+                   "tile_offsets"]
     if any(v["states"] for v in variants):
-        lib_imports += ["load_state", "store_state"]
+        lib_imports += ["decode_state", "load_state_raw", "store_state"]
     needs_op = any("_op(" in line.expr for v in variants for line in v["host_lines"])
     template = _environment().get_template("module.py.j2")
     return template.render(

@@ -58,13 +58,18 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 __all__ = [
     "accumulate_dw",
     "grouped_tile",
+    "tile_at",
     "tile_offsets",
     "bf16_bits_to_fp32",
     "fp32_to_bf16_bits_rne",
     "fp32_to_bf16_bits_stochastic",
     "load_weight",
+    "load_weight_raw",
+    "decode_weight",
     "store_weight",
     "load_state",
+    "load_state_raw",
+    "decode_state",
     "store_state",
 ]
 
@@ -170,6 +175,15 @@ def grouped_tile(pid, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_
 
 
 @triton.jit
+def tile_at(tile, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+    """Tile number `tile` (in [0, number of tiles)) of W [N, K] in grouped order:
+    (offs_n [BLOCK_N] rows, offs_k [BLOCK_K] columns, k_start = its first column)."""
+    pid_n, pid_k = grouped_tile(tile, N, K, BLOCK_N, BLOCK_K, GROUP_N)
+    k_start = pid_k * BLOCK_K
+    return pid_n * BLOCK_N + tl.arange(0, BLOCK_N), k_start + tl.arange(0, BLOCK_K), k_start
+
+
+@triton.jit
 def accumulate_dw(X, DY, offs_n, offs_k, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
                   DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -201,17 +215,35 @@ def accumulate_dw(X, DY, offs_n, offs_k, T, N, K, stride_xt, stride_xk, stride_d
 
 
 @triton.jit
+def load_weight_raw(ptr, offs, mask, W_BF16: tl.constexpr):
+    """Issue the load of a weight tile in its storage type (int16 bf16 bits, or fp32); `decode_weight` it later.
+
+    Split from the decoding so a kernel can start the load early (before its token loop)
+    and hold only the narrow storage in registers until the epilogue needs the values.
+    """
+    if W_BF16:
+        tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 weights must be passed as t.view(torch.int16)")
+        return tl.load(ptr + offs, mask=mask, other=0)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def decode_weight(raw, W_BF16: tl.constexpr):
+    """A tile from `load_weight_raw` as fp32."""
+    if W_BF16:
+        return bf16_bits_to_fp32(raw)
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
 def load_weight(ptr, offs, mask, W_BF16: tl.constexpr):
     """Load a weight tile as fp32 (masked elements read 0).
 
     W_BF16: the weight is bf16, and `ptr` points at its int16 view.
     """
-    if W_BF16:
-        tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 weights must be passed as t.view(torch.int16)")
-        bits = tl.load(ptr + offs, mask=mask, other=0)
-        return bf16_bits_to_fp32(bits)
-    else:
-        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return decode_weight(load_weight_raw(ptr, offs, mask, W_BF16), W_BF16)
 
 
 @triton.jit
@@ -277,6 +309,51 @@ def _round_half_up(y):
 
 
 @triton.jit
+def load_state_raw(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks,
+                   LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Issue the loads of a state tile in its storage type; `decode_state` them later.
+
+    Returns (codes [BLOCK_N, BLOCK_K], scales [BLOCK_N, BLOCK_K // 64] fp32) for the int8
+    layouts, and (storage tile, the same tile again, unused) for FP32 and BF16.
+    Arguments as for `load_state`.
+    """
+    if LAYOUT == 0:
+        raw = tl.load(ptr + offs, mask=mask, other=0.0)
+        return raw, raw
+    elif LAYOUT == 1:
+        tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 state must be passed as t.view(torch.int16)")
+        raw = tl.load(ptr + offs, mask=mask, other=0)
+        return raw, raw
+    else:
+        tl.static_assert(BLOCK_K % 64 == 0, "BLOCK_K must be a multiple of 64")
+        tl.static_assert(LAYOUT == 2 or LAYOUT == 3, "unknown state layout")
+        bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
+        scale = tl.load(scale_ptr + _scale_offsets(offs_n, k_start, n_blocks, BLOCK_K), mask=bmask, other=0.0)
+        codes = tl.load(ptr + offs, mask=mask, other=0)
+        return codes, scale
+
+
+@triton.jit
+def decode_state(raw, scale, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The (raw, scale) pair of `load_state_raw` as an fp32 [BLOCK_N, BLOCK_K] tile."""
+    if LAYOUT == 0:
+        return raw.to(tl.float32)
+    elif LAYOUT == 1:
+        return bf16_bits_to_fp32(raw)
+    else:
+        qf = raw.to(tl.float32)
+        if LAYOUT == 2:
+            tl.static_assert(raw.dtype == tl.int8, "INT8 state must be int8")
+            step = tl.div_rn(scale, tl.full(scale.shape, 127.0, tl.float32))
+            return qf * _broadcast_blocks(step, BLOCK_N, BLOCK_K)
+        else:
+            tl.static_assert(LAYOUT == 3, "unknown state layout")
+            tl.static_assert(raw.dtype == tl.uint8, "UINT8_SQRT state must be uint8")
+            r = qf * 0.003921568859368563  # R255
+            return (_broadcast_blocks(scale, BLOCK_N, BLOCK_K) * r) * r
+
+
+@triton.jit
 def load_state(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks,
                LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Load a state tile as fp32 (masked elements read 0).
@@ -289,26 +366,8 @@ def load_state(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks,
         offs_n: the tile's [BLOCK_N] row indices; k_start: its first column
             (a multiple of BLOCK_K); n_blocks: ceil(n_cols / 64).
     """
-    if LAYOUT == 0:
-        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    elif LAYOUT == 1:
-        tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 state must be passed as t.view(torch.int16)")
-        bits = tl.load(ptr + offs, mask=mask, other=0)
-        return bf16_bits_to_fp32(bits)
-    else:
-        tl.static_assert(BLOCK_K % 64 == 0, "BLOCK_K must be a multiple of 64")
-        bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
-        scale = tl.load(scale_ptr + _scale_offsets(offs_n, k_start, n_blocks, BLOCK_K), mask=bmask, other=0.0)
-        qf = tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
-        if LAYOUT == 2:
-            tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT8 state must be int8")
-            step = tl.div_rn(scale, tl.full(scale.shape, 127.0, tl.float32))
-            return qf * _broadcast_blocks(step, BLOCK_N, BLOCK_K)
-        else:
-            tl.static_assert(LAYOUT == 3, "unknown state layout")
-            tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT8_SQRT state must be uint8")
-            r = qf * 0.003921568859368563  # R255
-            return (_broadcast_blocks(scale, BLOCK_N, BLOCK_K) * r) * r
+    raw, scale = load_state_raw(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks, LAYOUT, BLOCK_N, BLOCK_K)
+    return decode_state(raw, scale, LAYOUT, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
