@@ -1,94 +1,139 @@
-"""Tile-config sweep of the fused kernel on a GPU: which (BLOCK_N, BLOCK_K, BLOCK_T, warps, stages) is fastest.
+"""Config sweeps on a GPU: tile configs of the fused kernel, block shapes of the element-wise step kernel.
 
 Tuning runs on scratch copies of the weight and state (never on live weights).
-Usage: python bench/sweep_tiles.py [--spec adamw] [--layout bf16] [--shape 4096x4096] [--tokens 512,2048,8192]
+Usage:
+  python bench/sweep_tiles.py [--case adamw:bf16:4096x4096 ...] [--tokens 512,2048,8192] [--json FILE]
+  python bench/sweep_tiles.py --step [--case adamw:bf16:4096x4096 ...]   (element-wise kernel vs torch fused)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 import triton
 
 import forge_dsl
 from forge_dsl import kernels
-from forge_dsl.kernels import TileConfig
+from forge_dsl.kernels import TileConfig, launch
 
-# (config, rounding): TileConfig(block_t, block_n, block_k, group_n, num_warps, num_stages).
-# docs/PERF.md v1 has the results of this list and of the split-epilogue variants it replaced.
+# TileConfig(block_t, block_n, block_k, group_n, num_warps, num_stages). docs/PERF.md (v1, v2) has the results
+# of this list and of the lists it replaced (loading W and state after the token loop; persistent programs
+# that load the next tile a whole tile ahead: both slower, both removed).
 CONFIGS = [
-    (TileConfig(64, 128, 128, 8, 8, 3), "stochastic"),  # v0 default, and the default above 4096 tokens
-    (TileConfig(64, 128, 128, 8, 8, 3), "nearest"),  # what the random bits cost
-    (TileConfig(128, 64, 64, 8, 4, 3), "stochastic"),  # the default up to 4096 tokens
-    (TileConfig(128, 64, 64, 8, 4, 3), "nearest"),
-    (TileConfig(64, 64, 64, 8, 4, 4), "stochastic"),
-    (TileConfig(64, 64, 64, 8, 2, 4), "stochastic"),
-    (TileConfig(64, 64, 128, 8, 4, 3), "stochastic"),
-    (TileConfig(32, 64, 128, 8, 4, 4), "stochastic"),
-    (TileConfig(64, 128, 64, 8, 4, 3), "stochastic"),
-    (TileConfig(64, 128, 256, 8, 8, 3), "stochastic"),
+    TileConfig(64, 64, 64, 8, 4, 4),  # default up to 4096 tokens (bf16 and fp32 state)
+    TileConfig(128, 64, 64, 8, 4, 3),  # default up to 4096 tokens with int8 state
+    TileConfig(64, 128, 128, 8, 8, 4),  # default above 4096 tokens
+    TileConfig(64, 64, 64, 8, 8, 3),  # 97 registers: 2 programs of 8 warps per SM
+    TileConfig(128, 64, 64, 8, 8, 3),
+    TileConfig(64, 128, 64, 8, 8, 3),  # 179 registers
+    TileConfig(64, 64, 128, 8, 8, 3),
+    TileConfig(128, 128, 128, 8, 8, 3),
 ]
+# (BLOCK_N, BLOCK_K, num_warps) of the element-wise kernel; launch.step_config picks one by shape.
+STEP_CONFIGS = [(16, 256, 8), (16, 256, 4), (8, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4),
+                (64, 64, 4), (64, 128, 8)]
+
+
+def hypers(spec_name: str) -> dict:
+    return {"lr": 1e-4, **({"momentum": 0.9} if spec_name == "sgd_momentum" else {})}
+
+
+def bench(fn) -> float:
+    try:
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    except Exception as err:  # out of resources: a result too
+        print(f"  {type(err).__name__}: {str(err)[:160]}")
+        return float("nan")
+
+
+def sweep_fused(spec_name, layout, N, K, tokens, rows):
+    spec = forge_dsl.load_spec(spec_name)
+    kw = hypers(spec_name)
+    for T in tokens:
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
+        w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)  # scratch weight
+        state = forge_dsl.init_state(spec, w, layout=layout, **kw)
+        for cfg in CONFIGS:
+            ms = bench(lambda: kernels.fused_linear_step(spec, x, dy, w, state, step=1, config=cfg, **kw))
+            rows.append({"kind": "fused", "spec": spec_name, "layout": layout, "N": N, "K": K, "T": T,
+                         "config": dict(cfg.__dict__), "ms": ms})
+            print(json.dumps(rows[-1]), flush=True)
+
+
+def sweep_step(spec_name, layout, N, K, rows):
+    spec = forge_dsl.load_spec(spec_name)
+    kw = hypers(spec_name)
+    w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+    g = (torch.randn(N, K, device="cuda") * 1e-3).to(torch.bfloat16)
+    state = forge_dsl.init_state(spec, w, layout=layout, **kw)
+    original = launch.step_config
+    try:
+        for bn, bk, warps in STEP_CONFIGS:
+            launch.step_config = lambda rows_, cols, device, c=(bn, bk, warps): c
+            ms = bench(lambda: kernels.step(spec, w, g, state, step=1, **kw))
+            rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
+                         "config": [bn, bk, warps], "ms": ms})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        launch.step_config = original
+    if spec_name == "adamw" and layout == "bf16":
+        p = torch.nn.Parameter(w.clone())
+        p.grad = g
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+        rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
+                     "config": "torch AdamW(fused=True)", "ms": bench(opt.step)})
+        print(json.dumps(rows[-1]), flush=True)
+
+
+def print_table(rows):
+    print(f"\n{'kind':>5} {'spec':>8} {'layout':>6} {'W':>11} {'T':>5}  {'config':<52} {'ms':>8}")
+    for r in rows:
+        c = r["config"]
+        if isinstance(c, dict):
+            c = f"BT{c['block_t']} {c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+        print(f"{r['kind']:>5} {r['spec']:>8} {r['layout']:>6} {str(r['N']) + 'x' + str(r['K']):>11} "
+              f"{r.get('T', ''):>5}  {str(c):<52} {r['ms']:>8.3f}")
+
+
+def best_config(rows):
+    """The fused config with the lowest geometric-mean time over all fused rows (None if none ran everywhere)."""
+    by_config = {}
+    for r in rows:
+        if r["kind"] == "fused" and r["ms"] == r["ms"]:
+            by_config.setdefault(tuple(sorted(r["config"].items())), []).append(r["ms"])
+    n = max((len(v) for v in by_config.values()), default=0)
+    scored = [(math.exp(sum(map(math.log, v)) / len(v)), dict(k)) for k, v in by_config.items() if len(v) == n]
+    return min(scored, key=lambda x: x[0])[1] if scored else None
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", default="adamw")
-    ap.add_argument("--layout", default="bf16")
-    ap.add_argument("--shape", default="4096x4096")
+    ap.add_argument("--case", action="append", help="spec:layout:NxK (repeatable; default adamw:bf16:4096x4096)")
     ap.add_argument("--tokens", default="512,2048,8192")
+    ap.add_argument("--step", action="store_true", help="sweep the element-wise step kernel instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    N, K = (int(v) for v in args.shape.split("x"))
-    spec = forge_dsl.load_spec(args.spec)
-    kw = {"lr": 1e-4, **({"momentum": 0.9} if args.spec == "sgd_momentum" else {})}
     rows = []
-    for T in (int(t) for t in args.tokens.split(",")):
-        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
-        w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)  # scratch weight
-        state = forge_dsl.init_state(spec, w, layout=args.layout, **kw)
-        for cfg, rounding in CONFIGS:
-            try:
-                ms = triton.testing.do_bench(
-                    lambda: kernels.fused_linear_step(spec, x, dy, w, state, step=1, config=cfg, rounding=rounding,
-                                                      **kw),
-                    warmup=10, rep=50, return_mode="median")
-            except Exception as err:  # out of resources: a result too
-                ms = float("nan")
-                print(f"T={T} {cfg}: {type(err).__name__}: {str(err)[:120]}")
-            rows.append({"T": T, "config": dict(cfg.__dict__), "rounding": rounding, "ms": ms})
-            print(json.dumps(rows[-1]), flush=True)
-    print(f"\nfused {args.spec} {args.layout} state, W {N}x{K}")
-    print(f"{'T':>6} {'BT':>4} {'BN':>4} {'BK':>4} {'warps':>5} {'stages':>6} {'rounding':>10} {'ms':>8}")
-    for r in rows:
-        c = r["config"]
-        print(f"{r['T']:>6} {c['block_t']:>4} {c['block_n']:>4} {c['block_k']:>4} {c['num_warps']:>5} "
-              f"{c['num_stages']:>6} {r['rounding']:>10} {r['ms']:>8.3f}")
+    for case in args.case or ["adamw:bf16:4096x4096"]:
+        spec_name, layout, shape = case.split(":")
+        N, K = (int(v) for v in shape.split("x"))
+        if args.step:
+            sweep_step(spec_name, layout, N, K, rows)
+        else:
+            sweep_fused(spec_name, layout, N, K, [int(t) for t in args.tokens.split(",")], rows)
+        torch.cuda.empty_cache()
+    print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     best = best_config(rows)
     if best is not None:
-        c = best
-        print(f"best stochastic config over all T (geometric mean): --config "
-              f"{c['block_t']},{c['block_n']},{c['block_k']},{c['num_warps']},{c['num_stages']}")
-
-
-def best_config(rows):
-    """The stochastic-rounding config with the lowest geometric-mean time over the token counts."""
-    import math
-
-    by_config = {}
-    for r in rows:
-        if r["rounding"] != "stochastic" or r["ms"] != r["ms"]:
-            continue
-        key = tuple(sorted(r["config"].items()))
-        by_config.setdefault(key, []).append(r["ms"])
-    n = max((len(v) for v in by_config.values()), default=0)
-    scored = [(math.exp(sum(map(math.log, v)) / len(v)), dict(k)) for k, v in by_config.items() if len(v) == n]
-    return min(scored, key=lambda x: x[0])[1] if scored else None
+        print("best fused config over all cases (geometric mean): --config "
+              f"{best['block_t']},{best['block_n']},{best['block_k']},{best['num_warps']},{best['num_stages']}")
 
 
 if __name__ == "__main__":

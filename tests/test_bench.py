@@ -7,6 +7,7 @@ on stderr and print its table last.  The GPU runs themselves are not tested here
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 
@@ -101,6 +102,8 @@ def test_help_lists_the_subcommands(capsys):
 def test_config_option_is_a_tile_config():
     cfg = kernel.parse_config("64,128,256,8,3")
     assert (cfg.block_t, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (64, 128, 256, 8, 3)
+    with pytest.raises(argparse.ArgumentTypeError, match="five integers"):
+        kernel.parse_config("64,64,64")
 
 
 def test_floor_matches_perf_md():

@@ -294,7 +294,7 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
 
     errors: dict = {}
     row = {"spec": spec_name, "shape": shape.name, "N": shape.N, "K": shape.K, "T": T, "layout": layout,
-           "sets": count, "config": asdict(config or fused_config(T, shape.N, shape.K, device)),
+           "sets": count, "config": asdict(config or fused_config(T, shape.N, shape.K, device, layout == "int8")),
            **floor_ms(T, shape.N, shape.K, moved)}
     row["fused_ms"] = timed(lambda: rotating(sets, fused), device, settings["rep_ms"], errors, "fused")
     row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings["rep_ms"], errors, "dw_ours")

@@ -37,7 +37,7 @@ _ROUNDINGS = ("stochastic", "nearest")
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes and launch options of the fused kernel."""
+    """Tile sizes and launch options of the fused kernel (one program per tile)."""
 
     block_t: int
     block_n: int
@@ -51,18 +51,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def fused_config(T: int, N: int, K: int, device: torch.device) -> TileConfig:
+def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool = False) -> TileConfig:
     """Tiles for the fused kernel: large in the interpreter (few programs), H200-measured on CUDA.
 
-    From bench/sweep_tiles.py on the H200 (docs/PERF.md, v1): up to a few thousand tokens the
-    epilogue dominates and small 64×64 tiles, several programs per SM, hide it best; at 8192
-    tokens the GEMM dominates and 128×128 tiles re-read the activations less.
+    From bench/sweep_tiles.py on the H200 (docs/PERF.md, v2): up to a few thousand tokens the
+    activations re-read from L2 and the epilogue cost about the same, and 64×64 tiles (167
+    registers, three programs per SM) hide one behind the other best; with int8 state
+    (`quantized`) 128-token steps in 3 stages are faster there (0.31 against 0.48 ms at 2048
+    tokens, W 4096²). At 8192 tokens the GEMM dominates and 128×128 tiles, which re-read the
+    activations half as often, win.
     """
     if device.type != "cuda":
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=1)
     if T <= 4096:
-        return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3)
-    return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=3)
+        if quantized:
+            return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3)
+        return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4)
+    return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4)
 
 
 def step_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
@@ -213,7 +218,8 @@ def fused_linear_step(
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
-    cfg = config or fused_config(T, N, K, weight.device)
+    quantized = any(code in (StateLayout.INT8, StateLayout.UINT8_SQRT) for code in layouts.values())
+    cfg = config or fused_config(T, N, K, weight.device, quantized)
     if cfg.block_k % BLOCK:
         raise ValueError(f"block_k must be a multiple of {BLOCK}, got {cfg.block_k}")
     dot_fp32 = interpreting() or x.dtype == torch.float32
