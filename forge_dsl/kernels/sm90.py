@@ -1,0 +1,131 @@
+"""Compile a generated fused kernel for the H100/H200 (sm_90) on any machine, no GPU needed.
+
+The Triton interpreter accepts code that the GPU compiler rejects, and it says nothing about
+registers. This compiles the real thing ahead of time with Triton's bundled ptxas and reports
+what decides the speed of a fused kernel: registers per thread (≤ 255; beyond, the compiler
+spills to local memory, `stack_bytes` > 0), shared memory per program, and how the global
+memory is accessed (16-byte vector loads, `cp.async` pipelining of the token loop).
+
+    python -m forge_dsl.kernels.sm90 adamw --layout bf16 --config 64,64,64,4,4
+    python -m forge_dsl.kernels.sm90 --all          (every spec, default configs)
+
+The numbers are those of the installed Triton, which may differ from the GPU machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..api import SpecLike, builtin_names, init_state, load_spec
+from ..layouts import StateLayout
+from .launch import TileConfig, _prepare_state, _variant, fused_config
+
+__all__ = ["Resources", "compile_fused", "main"]
+
+_STATE_POINTER = {StateLayout.FP32: "*fp32", StateLayout.BF16: "*i16", StateLayout.INT8: "*i8",
+                  StateLayout.UINT8_SQRT: "*u8"}
+# Arguments the JIT would see as multiples of 16 for the usual layer sizes (pointers and sizes).
+_DIVISIBLE = {"X", "DY", "W", "N", "K", "n_blocks", "stride_xt", "stride_dyt"}
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reports for one compiled kernel."""
+
+    registers: int
+    stack_bytes: int  # > 0: registers spilled to local memory
+    shared_bytes: int
+    memory_ops: dict  # PTX global/async memory instructions by kind, e.g. {"ld.global.v4.b32": 12}
+
+    def __str__(self) -> str:
+        ops = ", ".join(f"{k} ×{v}" for k, v in sorted(self.memory_ops.items()))
+        return (f"{self.registers} registers, {self.stack_bytes} B stack (spills), "
+                f"{self.shared_bytes // 1024} KiB shared | {ops}")
+
+
+def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileConfig] = None, T: int = 2048,
+                  **hypers) -> Resources:
+    """Compile the fused kernel of `spec` (bf16 weights and activations, stochastic rounding) for sm_90.
+
+    `hypers` pick the variant (flags) as `fused_linear_step` would; `config` defaults to
+    `fused_config` for T tokens on a CUDA device.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    spec = load_spec(spec)
+    weight = torch.zeros(128, 128, dtype=torch.bfloat16)
+    state = init_state(spec, weight, layout=layout, **hypers)
+    fused, _, names, exports, _ = _variant(spec, hypers, 1, state)
+    _, layouts = _prepare_state(spec, names, state, weight)
+    quantized = any(code in (StateLayout.INT8, StateLayout.UINT8_SQRT) for code in layouts.values())
+    cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), quantized)
+    constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": False, "INPUT_PRECISION": None,
+                  "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
+                  "stride_xk": 1, "stride_dyn": 1, **layouts}
+    export_values = dict(zip([a for a in fused.arg_names if a.startswith("h_")], exports))
+    signature = {}
+    for arg in fused.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in ("X", "DY"):
+            signature[arg] = "*bf16"
+        elif arg == "W":
+            signature[arg] = "*i16"
+        elif arg.startswith("S_"):
+            signature[arg] = _STATE_POINTER[StateLayout(layouts[f"LAYOUT_{arg[2:]}"])]
+        elif arg.startswith("SCALE_"):
+            signature[arg] = "*fp32"
+        elif arg.startswith("h_"):
+            signature[arg] = "i32" if isinstance(export_values[arg], int) else "fp32"
+        else:
+            signature[arg] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fused.arg_names)
+             if a in _DIVISIBLE or a.startswith(("S_", "SCALE_"))}
+    source = ASTSource(fused, signature, {k: v for k, v in constexprs.items() if k in signature}, attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return _resources(kernel, triton)
+
+
+def _resources(kernel, triton) -> Resources:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    ops = Counter(re.findall(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)\.(?:global|local)[a-z0-9.]*|cp\.async\.[a-z.]*)",
+                             kernel.asm["ptx"], re.M))
+    return Resources(int(found["REG"]), int(found["STACK"]), int(kernel.metadata.shared), dict(ops))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m forge_dsl.kernels.sm90", description=__doc__.splitlines()[0])
+    ap.add_argument("spec", nargs="?", default="adamw", help="built-in name or .fopt path (default adamw)")
+    ap.add_argument("--all", action="store_true", help="every built-in spec")
+    ap.add_argument("--layout", default="bf16", help="state layout: fp32, bf16 or int8 (default bf16)")
+    ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES (default: fused_config for --tokens)")
+    ap.add_argument("--tokens", type=int, default=2048, help="T for the default config (default 2048)")
+    args = ap.parse_args(argv)
+    config = None
+    if args.config:
+        bt, bn, bk, warps, stages = (int(v) for v in args.config.split(","))
+        config = TileConfig(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    for name in builtin_names() if args.all else [args.spec]:
+        hypers = {"momentum": 0.9} if load_spec(name).name == "sgd_momentum" else {}
+        print(f"{name:>13} {args.layout:>5}: {compile_fused(name, args.layout, config, args.tokens, **hypers)}")
+
+
+if __name__ == "__main__":
+    main()
