@@ -180,6 +180,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             dict per state name; default "fp32".
         rounding: bf16 weight write-back, "stochastic" (default) or "nearest".
         seed: stochastic-rounding seed (each parameter draws its own stream from it).
+            For float32 weights, the fused dW product follows torch's own float32 matmul setting:
+            exact fp32 under `torch.set_float32_matmul_precision("highest")` (the default), TF32
+            tensor cores under "high" or "medium", like every other matmul of the model.
         fuse: False steps every parameter from its gradient (no fusion; for comparisons).
         **hypers: the spec's keywords with torch's names and defaults (`lr`, `betas=(...)`, ...).
 
@@ -337,7 +340,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         state = self._state_for(weight, hypers)
         fused_linear_step(
             self.spec, x, dy, weight.data, state, step=int(state["step"].item()) + 1,
-            seed=int(state["seed"]), rounding=self.rounding, **hypers,
+            seed=int(state["seed"]), rounding=self.rounding,
+            tf32=torch.get_float32_matmul_precision() != "highest", **hypers,
         )
 
     @torch.no_grad()
