@@ -19,8 +19,8 @@ from .checker import check_spec
 from .config import resolve_hypers
 from .errors import did_you_mean
 from .parser import parse_spec
-from .layouts import quantize, resolve_layout
-from .reference import plain_state
+from .layouts import quantize, resolve_layout, rows_cols
+from .reference import initial_values, initial_value, plain_state
 
 __all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "SpecLike"]
 
@@ -105,9 +105,8 @@ def init_state(
     """
     spec = load_spec(spec)
     cfg = resolve_hypers(spec, hypers, caller="init_state")
-    state = plain_state(spec, param, cfg, param.dtype if layout is None else torch.float32)
     if layout is None:
-        return state
+        return plain_state(spec, param, cfg, param.dtype)
     if isinstance(layout, Mapping):
         unknown = set(layout) - set(spec.state_names)
         if unknown:
@@ -115,14 +114,20 @@ def init_state(
                 f"layout names unknown states {sorted(unknown)}; {spec.name} has states {list(spec.state_names)}"
             )
     out: dict[str, torch.Tensor] = {}
+    rows, cols = rows_cols(param.shape)
+    values = initial_values(spec, cfg)
     for s in spec.states:
-        if s.name not in state:
+        value = values.get(s.name)
+        if value is None:
             continue
         choice = layout.get(s.name, "fp32") if isinstance(layout, Mapping) else layout
-        storage, scale = quantize(state[s.name], resolve_layout(choice, s.nonneg, param.shape))
-        out[s.name] = storage.to(param.device)
+        # Every row starts equal: encode one row and repeat it, so a large parameter never needs
+        # a float32 copy of its state (5.8 GiB for AdamW on a 151936 × 5120 embedding).
+        row = torch.full((1, cols), value, dtype=torch.float32, device=param.device)
+        storage, scale = quantize(row, resolve_layout(choice, s.nonneg, param.shape))
+        out[s.name] = storage.expand(rows, cols).contiguous().reshape(param.shape)
         if scale is not None:
-            out[f"{s.name}.scale"] = scale.to(param.device)
+            out[f"{s.name}.scale"] = scale.expand(rows, scale.shape[1]).contiguous()
     for s in spec.scalars:
-        out[s.name] = state[s.name]
+        out[s.name] = torch.tensor(initial_value(spec, s.init, cfg.hypers), dtype=torch.float64)
     return out

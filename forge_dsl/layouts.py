@@ -110,7 +110,8 @@ _STORAGE_DTYPES = {
 }
 
 
-def _rows_cols(shape: Sequence[int]) -> Tuple[int, int]:
+def rows_cols(shape: Sequence[int]) -> Tuple[int, int]:
+    """The `[rows, cols]` that `as_rows` views a tensor of this shape as."""
     shape = tuple(int(s) for s in shape)
     if len(shape) == 0:
         return 1, 1
@@ -122,7 +123,7 @@ def as_rows(t: Tensor) -> Tensor:
 
     A view when `t` is contiguous (a copy otherwise, like `Tensor.reshape`).
     """
-    rows, cols = _rows_cols(t.shape)
+    rows, cols = rows_cols(t.shape)
     return t.reshape(rows, cols)
 
 
@@ -152,7 +153,7 @@ def resolve_layout(name: str, nonneg: bool, shape: Sequence[int]) -> StateLayout
         return StateLayout.FP32
     if name == "bf16":
         return StateLayout.BF16
-    _, cols = _rows_cols(shape)
+    _, cols = rows_cols(shape)
     if cols < BLOCK:
         return StateLayout.FP32
     return StateLayout.UINT8_SQRT if nonneg else StateLayout.INT8

@@ -30,13 +30,17 @@ def initial_value(spec: ir.Spec, init: ir.Expr, hypers: Mapping[str, float]) -> 
     return hypers[init.id]
 
 
+def initial_values(spec: ir.Spec, cfg: StepConfig) -> dict[str, float]:
+    """The initial value of each per-element state present for these flags (every element starts equal)."""
+    present = lower(spec, cfg.combo).states
+    return {s.name: initial_value(spec, s.init, cfg.hypers) for s in spec.states if s.name in present}
+
+
 def plain_state(spec: ir.Spec, param: torch.Tensor, cfg: StepConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Fresh state in `dtype`: per-element states present for these flags, then scalar states."""
     state: dict[str, torch.Tensor] = {}
-    present = lower(spec, cfg.combo).states
-    for s in spec.states:
-        if s.name in present:
-            state[s.name] = torch.full_like(param, initial_value(spec, s.init, cfg.hypers), dtype=dtype)
+    for name, value in initial_values(spec, cfg).items():
+        state[name] = torch.full_like(param, value, dtype=dtype)
     for s in spec.scalars:
         state[s.name] = torch.tensor(initial_value(spec, s.init, cfg.hypers), dtype=torch.float64)
     return state

@@ -136,3 +136,23 @@ def test_lowering_hoists_host_scalars_and_shares_subexpressions():
     assert len(elem_texts) == len(set(elem_texts))  # CSE: no instruction computed twice
     # dividing by a host scalar becomes a multiply by its reciprocal
     assert any(i.op == "recip" for i in low.host)
+
+
+@pytest.mark.parametrize("shape", [(3, 130), (200,), (2, 3, 64), (), (0, 70), (5, 40)])
+@pytest.mark.parametrize("layout", ["fp32", "bf16", "int8", {"sum": "int8"}])
+def test_init_state_encodes_like_quantizing_the_full_state(shape, layout):
+    """init_state encodes one row and repeats it (no float32 copy of a large state); the result is the
+    full float32 state quantized, bit for bit. Adagrad's accumulator starts at a non-zero value."""
+    from forge_dsl.layouts import quantize, resolve_layout
+
+    spec = forge_dsl.load_spec("adagrad")
+    param = torch.randn(shape)
+    state = forge_dsl.init_state(spec, param, layout=layout, initial_accumulator_value=0.3)
+    choice = layout if isinstance(layout, str) else layout["sum"]
+    storage, scale = quantize(torch.full(shape, 0.3), resolve_layout(choice, True, shape))
+    assert state["sum"].dtype == storage.dtype and state["sum"].shape == storage.shape
+    assert torch.equal(state["sum"].view(-1).view(torch.uint8), storage.view(-1).view(torch.uint8))
+    if scale is None:
+        assert "sum.scale" not in state
+    else:
+        assert torch.equal(state["sum.scale"], scale)
