@@ -119,7 +119,7 @@ def layout_for(spec, which: str):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "step"])
+@pytest.mark.parametrize("fused", [True, False, "slab"], ids=["fused", "step", "slab"])
 @pytest.mark.parametrize("name", SPECS)
 def test_fp32_three_steps(name, fused):
     spec = forge_dsl.load_spec(name)
@@ -133,7 +133,9 @@ def test_fp32_three_steps(name, fused):
         x = torch.randn(x.shape, generator=gen).to(DEVICE)
         dy = (torch.randn(dy.shape, generator=gen) * 0.1).to(DEVICE)
         dw = dy.double().cpu().T @ x.double().cpu()
-        if fused:
+        if fused == "slab":  # 72 rows of 136 fp32: slabs of 20 rows, the last one ragged
+            kernels.slab_linear_step(spec, x, dy, w, state, step=step, slab_bytes=20 * 136 * 4 + 100, **kw)
+        elif fused:
             kernels.fused_linear_step(spec, x, dy, w, state, step=step, **kw)
         else:
             kernels.step(spec, w, (dy.T @ x).contiguous(), state, step=step, **kw)
@@ -180,7 +182,7 @@ def test_every_flag_combination(name, combo):
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
 @pytest.mark.parametrize("layout", ["fp32", "bf16", "int8", "mixed"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "step"])
+@pytest.mark.parametrize("fused", [True, False, "slab"], ids=["fused", "step", "slab"])
 @pytest.mark.parametrize("name", SPECS)
 def test_layouts(name, fused, layout, w_dtype):
     spec = forge_dsl.load_spec(name)
@@ -192,8 +194,13 @@ def test_layouts(name, fused, layout, w_dtype):
         ref_w = w.double().cpu()
         ref_state = as_float64_state(state, spec)
         dw = dy.double().cpu().T @ x.double().cpu()
+        if fused == "slab" and x.dtype == torch.bfloat16:
+            dw = (dy.T @ x).double().cpu()  # the slab path's dW is a bf16 product, like autograd's
         forge_dsl.reference_step(spec, ref_w, dw, ref_state, step=step, **kw)
-        if fused:
+        if fused == "slab":  # fp32: slabs of 20 rows, the last one ragged; bf16: one slab (see dw)
+            slab_bytes = 20 * 136 * 4 if x.dtype == torch.float32 else 2**24
+            kernels.slab_linear_step(spec, x, dy, w, state, step=step, seed=7, slab_bytes=slab_bytes, **kw)
+        elif fused:
             kernels.fused_linear_step(spec, x, dy, w, state, step=step, seed=7, **kw)
         else:
             kernels.step(spec, w, dw.float().to(DEVICE), state, step=step, seed=7, **kw)
@@ -317,6 +324,10 @@ def test_launcher_errors_are_clear():
         kernels.step("adamw", w.half(), w.half(), forge_dsl.init_state("adamw", w.half(), layout="fp32"), step=1)
     with pytest.raises(TypeError, match="did you mean 'lr'"):
         kernels.step("adamw", w, w.clone(), st, step=1, lrr=0.1)
+    with pytest.raises(ValueError, match="slab_bytes must be a positive integer"):
+        kernels.slab_linear_step("adamw", x, dy, w, st, step=1, slab_bytes=0)
+    with pytest.raises(ValueError, match="x has 3 features"):
+        kernels.slab_linear_step("adamw", x[:, :3], dy, w, st, step=1)
 
 
 def test_user_spec_compiles_on_first_use(tmp_path, monkeypatch):

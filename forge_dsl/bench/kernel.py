@@ -1,4 +1,4 @@
-"""`forge-bench kernel`: one linear layer's weight update, three ways, against the roofline floor.
+"""`forge-bench kernel`: one linear layer's weight update, four ways, against the roofline floor.
 
 For W = N × K (bf16 scratch weights, never a user's), T tokens, each spec and
 state layout, median ms of:
@@ -9,6 +9,8 @@ state layout, median ms of:
               foreach=True otherwise (NAdam, RAdam, RMSprop); Lion has none.  torch keeps its
               state in the parameter's dtype, so this pair always runs with bf16 state; it is
               measured once per (spec, shape, T) and repeated in every layout's row.
+    slab      `kernels.slab_linear_step`: cuBLAS dW for 16 MiB slabs of rows (they stay in L2),
+              each consumed at once by our step kernel; the whole dW never exists.
     floor     max(2·T·N·K / 790 TFLOP/s, bytes / 4.3 TB/s), bytes = X and dY read once, W and
               every state tensor (int8 scales included) read and written once, in storage sizes.
 
@@ -81,6 +83,9 @@ TORCH_STEPS = {
     "sgd": ("SGD", ({"fused": True},)),
     "sgd_momentum": ("SGD", ({"fused": True},)),
 }
+
+
+SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
 
 
 def hypers_for(spec_name: str) -> dict:
@@ -292,23 +297,30 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
     def dw_ours(x, dy, w, state):
         kernels.step(spec, w, torch.matmul(dy.t(), x), state, step=STEP, rounding=rounding, **hypers)
 
+    def slab(x, dy, w, state):
+        kernels.slab_linear_step(spec, x, dy, w, state, step=STEP, rounding=rounding, slab_bytes=SLAB_BYTES,
+                                 **hypers)
+
     errors: dict = {}
     row = {"spec": spec_name, "shape": shape.name, "N": shape.N, "K": shape.K, "T": T, "layout": layout,
            "sets": count, "config": asdict(config or fused_config(T, shape.N, shape.K, device, layout == "int8")),
            **floor_ms(T, shape.N, shape.K, moved)}
     row["fused_ms"] = timed(lambda: rotating(sets, fused), device, settings["rep_ms"], errors, "fused")
     row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings["rep_ms"], errors, "dw_ours")
+    # the extra path: cuBLAS dW in L2-sized row slabs, each consumed by our step kernel (never the whole dW)
+    row["slab_ms"] = timed(lambda: rotating(sets, slab), device, settings["rep_ms"], errors, "slab")
+    row["slab_bytes"] = min(SLAB_BYTES // (shape.K * 2), shape.N) * shape.K * 2
     row["errors"] = errors
     return row
 
 
 def add_ratios(row: dict) -> None:
     """time / floor for each method, and the fused kernel's speedup over each unfused pair."""
-    for key in ("fused", "dw_ours", "dw_torch"):
+    for key in ("fused", "dw_ours", "dw_torch", "slab"):
         ms = row.get(f"{key}_ms")
         row[f"{key}_vs_floor"] = ms / row["floor_ms"] if ms else None
     fused = row["fused_ms"]
-    for key in ("dw_ours", "dw_torch"):
+    for key in ("dw_ours", "dw_torch", "slab"):
         ms = row.get(f"{key}_ms")
         row[f"fused_speedup_vs_{key}"] = ms / fused if ms and fused else None
 
@@ -349,10 +361,10 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
 
 def table(rows: list[dict]) -> str:
     """Median ms per method, the floor, and the fused kernel's speedup (> 1: fused is faster)."""
-    headers = ["spec", "W (N×K)", "T", "state", "fused ms", "dW+ours ms", "dW+torch ms", "floor ms",
+    headers = ["spec", "W (N×K)", "T", "state", "fused ms", "dW+ours ms", "dW+torch ms", "slab ms", "floor ms",
                "fused/floor", "dW+torch/floor", "speedup vs dW+ours", "speedup vs dW+torch"]
     body = [[r["spec"], f"{r['N']}×{r['K']}", r["T"], r["layout"], r["fused_ms"], r["dw_ours_ms"],
-             r["dw_torch_ms"], r["floor_ms"], r["fused_vs_floor"], r["dw_torch_vs_floor"],
+             r["dw_torch_ms"], r.get("slab_ms"), r["floor_ms"], r["fused_vs_floor"], r["dw_torch_vs_floor"],
              r["fused_speedup_vs_dw_ours"], r["fused_speedup_vs_dw_torch"]] for r in rows]
     return format_table(headers, body)
 

@@ -3,6 +3,8 @@
     fused_linear_step(spec, x, dy, weight, state, step=t, **hypers)
         x [..., K] and dy [..., N] of one linear layer y = x Wᵀ; weight [N, K] and
         its state updated in place from dW = dyᵀ x, which is never stored.
+    slab_linear_step(spec, x, dy, weight, state, step=t, **hypers)
+        the same, with dW from cuBLAS one L2-sized slab of rows at a time (never whole).
     step(spec, param, grad, state, step=t, **hypers)
         the same update from a materialized gradient, for any parameter shape.
 
@@ -24,7 +26,7 @@ from ..config import resolve_hypers
 from ..layouts import BLOCK, StateLayout, as_rows, n_blocks
 from .compiled import compiled_module
 
-__all__ = ["fused_linear_step", "step", "TileConfig", "mix_seed"]
+__all__ = ["fused_linear_step", "slab_linear_step", "step", "TileConfig", "mix_seed"]
 
 _LAYOUT_OF_DTYPE = {
     torch.float32: StateLayout.FP32,
@@ -160,6 +162,30 @@ def _commit_scalars(state, scalar_updates: dict[str, float]) -> None:
         state[name].fill_(value)
 
 
+def _check_linear(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, rounding: str):
+    """Validate one linear layer's (x, dy, weight); returns x [T, K] and dy [T, N] as 2-D views."""
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features in its last dim but weight [N, K] has K = {K}")
+    if dy.shape[-1] != N:
+        raise ValueError(f"dy has {dy.shape[-1]} features in its last dim but weight [N, K] has N = {N}")
+    if x.shape[:-1] != dy.shape[:-1]:
+        raise ValueError(f"x {tuple(x.shape)} and dy {tuple(dy.shape)} must have the same leading (token) dims")
+    if x.dtype != dy.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x and dy must both be float32 or both bfloat16, got {x.dtype} and {dy.dtype}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous (it is updated in place); pass a contiguous parameter")
+    for t, what in ((x, "x"), (dy, "dy"), (weight, "weight")):
+        _check_device(t, what)
+        if t.device != weight.device:
+            raise ValueError(f"{what} is on {t.device} but weight is on {weight.device}")
+    return x.reshape(-1, K), dy.reshape(-1, N)
+
+
 def fused_linear_step(
     spec: SpecLike,
     x: torch.Tensor,
@@ -190,27 +216,8 @@ def fused_linear_step(
         **hypers: torch-style keywords of the spec.
     """
     spec = load_spec(spec)
-    if rounding not in _ROUNDINGS:
-        raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    x2, dy2 = _check_linear(x, dy, weight, rounding)
     N, K = weight.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"x has {x.shape[-1]} features in its last dim but weight [N, K] has K = {K}")
-    if dy.shape[-1] != N:
-        raise ValueError(f"dy has {dy.shape[-1]} features in its last dim but weight [N, K] has N = {N}")
-    if x.shape[:-1] != dy.shape[:-1]:
-        raise ValueError(f"x {tuple(x.shape)} and dy {tuple(dy.shape)} must have the same leading (token) dims")
-    if x.dtype != dy.dtype or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x and dy must both be float32 or both bfloat16, got {x.dtype} and {dy.dtype}")
-    if not weight.is_contiguous():
-        raise ValueError("weight must be contiguous (it is updated in place); pass a contiguous parameter")
-    for t, what in ((x, "x"), (dy, "dy"), (weight, "weight")):
-        _check_device(t, what)
-        if t.device != weight.device:
-            raise ValueError(f"{what} is on {t.device} but weight is on {weight.device}")
-    x2 = x.reshape(-1, K)
-    dy2 = dy.reshape(-1, N)
     T = x2.shape[0]
     w_view, w_bf16 = _weight_view(weight, "weight")
     fused, _, names, exports, scalar_updates = _variant(spec, hypers, step, state)
@@ -234,6 +241,62 @@ def fused_linear_step(
         BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    _commit_scalars(state, scalar_updates)
+
+
+def slab_linear_step(
+    spec: SpecLike,
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    state: MutableMapping[str, torch.Tensor],
+    *,
+    step: int,
+    seed: int = 0,
+    rounding: str = "stochastic",
+    slab_bytes: int = 16 * 2**20,
+    **hypers: Any,
+) -> None:
+    """The update of `fused_linear_step`, with dW computed by cuBLAS one slab of rows at a time.
+
+    dW[r0:r1] = dy[:, r0:r1]ᵀ · x, in the activations' dtype like autograd's, is consumed at once by
+    the element-wise step kernel: at most `slab_bytes` of gradient exist at any time (whole rows,
+    at least one), little enough to stay in L2 between the GEMM that writes it and the kernel that
+    reads it. The full dW is never stored. Float32 products follow torch's matmul precision.
+
+    Arguments as for `fused_linear_step`, plus `slab_bytes`. The stochastic-rounding bits are a
+    function of (seed, step, the slab's first row, element index in the slab): not the bits
+    `fused_linear_step` draws.
+    """
+    spec = load_spec(spec)
+    x2, dy2 = _check_linear(x, dy, weight, rounding)
+    if isinstance(slab_bytes, bool) or int(slab_bytes) != slab_bytes or slab_bytes < 1:
+        raise ValueError(f"slab_bytes must be a positive integer, got {slab_bytes!r}")
+    N, K = weight.shape
+    _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    _prepare_state(spec, names, state, weight)  # validates every state once, with whole-tensor messages
+    if N == 0 or K == 0:
+        _commit_scalars(state, scalar_updates)
+        return
+    rows = max(1, min(N, int(slab_bytes) // (K * x2.element_size())))
+    workspace = torch.empty(rows, K, dtype=x2.dtype, device=weight.device)  # [rows, K]: one slab of dW
+    block_n, block_k, num_warps = step_config(rows, K, weight.device)
+    key = mix_seed(seed, step)
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        grad = workspace[: r1 - r0]
+        torch.matmul(dy2[:, r0:r1].t(), x2, out=grad)
+        w_slab = weight[r0:r1]
+        slab_state = {name: t[r0:r1] for name, t in state.items() if t.dim() > 0}
+        state_args, layouts = _prepare_state(spec, names, slab_state, w_slab)
+        w_view, w_bf16 = _weight_view(w_slab, "weight")
+        g_view, g_bf16 = _weight_view(grad, "dW")
+        elementwise[(triton_cdiv(r1 - r0, block_n), triton_cdiv(K, block_k))](
+            w_view, g_view, *state_args, *exports,
+            mix_seed(key, r0), r1 - r0, K, n_blocks(K),
+            W_BF16=w_bf16, G_BF16=g_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        )
     _commit_scalars(state, scalar_updates)
 
 
