@@ -383,8 +383,8 @@ def plot(results: Results) -> None:
     for ax, spec_name in zip(axes.flat, specs):
         for r in (r for r in rows if r["spec"] == spec_name):
             x = cases.index((r["shape"], r["T"]))
-            for key, color in (("fused", "tab:red"), ("dw_ours", "tab:blue")):
-                if r[f"{key}_vs_floor"]:
+            for key, color in (("fused", "tab:red"), ("dw_ours", "tab:blue"), ("slab", "tab:green")):
+                if r.get(f"{key}_vs_floor"):
                     ax.plot(x, r[f"{key}_vs_floor"], markers[r["layout"]], color=color, alpha=0.8)
             if r["dw_torch_vs_floor"] and r["layout"] == "bf16":
                 ax.plot(x, r["dw_torch_vs_floor"], "D", color="black", alpha=0.8)
@@ -397,6 +397,7 @@ def plot(results: Results) -> None:
         ax.axis("off")
     legend = [plt.Line2D([], [], ls="", marker="o", color="tab:red", label="fused"),
               plt.Line2D([], [], ls="", marker="o", color="tab:blue", label="cuBLAS dW + our step"),
+              plt.Line2D([], [], ls="", marker="o", color="tab:green", label="cuBLAS dW slabs + our step"),
               plt.Line2D([], [], ls="", marker="D", color="black", label="cuBLAS dW + torch step (bf16 state)")]
     legend += [plt.Line2D([], [], ls="", marker=m, color="gray", label=f"{k} state") for k, m in markers.items()]
     fig.suptitle(f"one linear layer's update, bf16 weights — {results.data['device']}", fontsize=10)
