@@ -5,13 +5,7 @@
 # Timings taken in one lane are not disturbed by the other's kernels (separate GPUs); the lanes
 # share the host's CPUs, so keep launch-bound timings in one lane only.
 set -u
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/install.log 2>&1 \
-    || { echo "editable install failed:"; tail -5 /tmp/install.log; }
-nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,memory.used --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source "$(dirname "$0")/gpu_setup.sh"
 start=$(date +%s)
 ( export CUDA_VISIBLE_DEVICES=0; eval "${LANE0:-true}" ) > "$OUT/lane0.log" 2>&1 &
 ( export CUDA_VISIBLE_DEVICES=1; eval "${LANE1:-true}" ) > "$OUT/lane1.log" 2>&1 &

@@ -4,14 +4,8 @@
 #   TESTS=...  which test files (default: the kernel, layout and optimizer tiers)
 #   STAGES=... which stages to run: tests sweep kernel model convergence (default: tests sweep kernel model)
 set -u
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_setup.sh"
 STAGES=${STAGES:-"tests sweep kernel model"}
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/install.log 2>&1 \
-    || { echo "editable install failed:"; tail -5 /tmp/install.log; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 

@@ -20,7 +20,7 @@ from .config import resolve_hypers
 from .errors import did_you_mean
 from .parser import parse_spec
 from .layouts import quantize, resolve_layout, rows_cols
-from .reference import initial_values, initial_value, plain_state
+from .reference import initial_scalars, initial_values, plain_state
 
 __all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "SpecLike"]
 
@@ -128,6 +128,4 @@ def init_state(
         out[s.name] = storage.expand(rows, cols).contiguous().reshape(param.shape)
         if scale is not None:
             out[f"{s.name}.scale"] = scale.expand(rows, scale.shape[1]).contiguous()
-    for s in spec.scalars:
-        out[s.name] = torch.tensor(initial_value(spec, s.init, cfg.hypers), dtype=torch.float64)
-    return out
+    return {**out, **initial_scalars(spec, cfg)}

@@ -36,14 +36,17 @@ def initial_values(spec: ir.Spec, cfg: StepConfig) -> dict[str, float]:
     return {s.name: initial_value(spec, s.init, cfg.hypers) for s in spec.states if s.name in present}
 
 
+def initial_scalars(spec: ir.Spec, cfg: StepConfig) -> dict[str, torch.Tensor]:
+    """Each scalar state's initial value, as a 0-dim float64 CPU tensor."""
+    return {s.name: torch.tensor(initial_value(spec, s.init, cfg.hypers), dtype=torch.float64) for s in spec.scalars}
+
+
 def plain_state(spec: ir.Spec, param: torch.Tensor, cfg: StepConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Fresh state in `dtype`: per-element states present for these flags, then scalar states."""
     state: dict[str, torch.Tensor] = {}
     for name, value in initial_values(spec, cfg).items():
         state[name] = torch.full_like(param, value, dtype=dtype)
-    for s in spec.scalars:
-        state[s.name] = torch.tensor(initial_value(spec, s.init, cfg.hypers), dtype=torch.float64)
-    return state
+    return {**state, **initial_scalars(spec, cfg)}
 
 
 def run_host_program(low: Lowered, hypers: Mapping[str, float], step: int, scalars: Mapping[str, float]) -> dict:

@@ -33,7 +33,7 @@ import torch
 import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
-from forge_dsl.kernels.launch import fused_config
+from forge_dsl.kernels.launch import fused_config, slab_rows
 
 from .common import Progress, Results, UsageError, format_table, free_memory, median_ms, pyplot
 
@@ -116,11 +116,9 @@ def add_arguments(ap) -> None:
 def parse_config(text: str) -> TileConfig:
     """'64,128,128,8,3' → TileConfig(block_t=64, block_n=128, block_k=128, num_warps=8, num_stages=3)."""
     try:
-        bt, bn, bk, warps, stages = (int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--config expects five integers BT,BN,BK,WARPS,STAGES, got {text!r}") from None
-    return TileConfig(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        return TileConfig.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--config: {err}") from None
 
 
 def _split(text: Optional[str], default: list[str]) -> list[str]:
@@ -309,7 +307,7 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
     row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings["rep_ms"], errors, "dw_ours")
     # the extra path: cuBLAS dW in L2-sized row slabs, each consumed by our step kernel (never the whole dW)
     row["slab_ms"] = timed(lambda: rotating(sets, slab), device, settings["rep_ms"], errors, "slab")
-    row["slab_bytes"] = min(SLAB_BYTES // (shape.K * 2), shape.N) * shape.K * 2
+    row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, SLAB_BYTES) * shape.K * 2  # bf16 dW
     row["errors"] = errors
     return row
 

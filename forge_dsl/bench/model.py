@@ -241,13 +241,22 @@ def measure(name: str, method: Method, seq: int, checkpointing: bool, device: to
     allocated_with_weights = allocated_bytes(device)
     finish = method.attach(model)
     try:
-        return _timed_steps(model, finish, seq, device, settings, weights, allocated_with_weights, leftover)
+        grads, persistent, times = _run_steps(model, finish, seq, device, settings)
     finally:
         getattr(finish, "close", lambda: None)()
+    timing = {"params": sum(p.numel() for p in model.parameters()), "step_ms": statistics.median(times),
+              "step_ms_all": times, "leftover": leftover}
+    if device.type != "cuda":
+        return {**timing, **dict.fromkeys(("peak", "weights", "optimizer_state", "gradients", "rest"))}
+    peak = peak_memory_bytes(device)
+    state = persistent - allocated_with_weights
+    return {**timing, "peak": peak, "weights": weights, "optimizer_state": state, "gradients": grads,
+            "rest": peak - weights - state - grads - (leftover or 0)}
 
 
-def _timed_steps(model, finish, seq: int, device: torch.device, settings: dict, weights: int,
-                 allocated_with_weights: Optional[int], leftover: Optional[int]) -> dict:
+def _run_steps(model, finish, seq: int, device: torch.device, settings: dict):
+    """Warm-up steps, then timed steps from a reset memory peak: (gradient bytes, memory between steps,
+    step times in ms)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=gen).to(device)
     grads = 0
@@ -263,14 +272,7 @@ def _timed_steps(model, finish, seq: int, device: torch.device, settings: dict, 
         train_step(model, ids, finish)
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    timing = {"params": sum(p.numel() for p in model.parameters()), "step_ms": statistics.median(times),
-              "step_ms_all": times, "leftover": leftover}
-    if device.type != "cuda":
-        return {**timing, **dict.fromkeys(("peak", "weights", "optimizer_state", "gradients", "rest"))}
-    peak = peak_memory_bytes(device)
-    state = persistent - allocated_with_weights
-    return {**timing, "peak": peak, "weights": weights, "optimizer_state": state, "gradients": grads,
-            "rest": peak - weights - state - grads - (leftover or 0)}
+    return grads, persistent, times
 
 
 def run_one(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device, settings: dict) -> dict:

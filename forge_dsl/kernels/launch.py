@@ -48,6 +48,15 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
 
+    @classmethod
+    def parse(cls, text: str) -> "TileConfig":
+        """'64,128,128,8,3' → TileConfig(block_t=64, block_n=128, block_k=128, num_warps=8, num_stages=3)."""
+        try:
+            bt, bn, bk, warps, stages = (int(v) for v in text.split(","))
+        except ValueError:
+            raise ValueError(f"a tile config is five integers BT,BN,BK,WARPS,STAGES, got {text!r}") from None
+        return cls(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -278,9 +287,8 @@ def slab_linear_step(
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
-    rows = max(1, min(N, int(slab_bytes) // (K * x2.element_size())))
+    rows = slab_rows(N, K, x2.element_size(), slab_bytes)
     workspace = torch.empty(rows, K, dtype=x2.dtype, device=weight.device)  # [rows, K]: one slab of dW
-    block_n, block_k, num_warps = step_config(rows, K, weight.device)
     key = mix_seed(seed, step)
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
@@ -289,15 +297,13 @@ def slab_linear_step(
         w_slab = weight[r0:r1]
         slab_state = {name: t[r0:r1] for name, t in state.items() if t.dim() > 0}
         state_args, layouts = _prepare_state(spec, names, slab_state, w_slab)
-        w_view, w_bf16 = _weight_view(w_slab, "weight")
-        g_view, g_bf16 = _weight_view(grad, "dW")
-        elementwise[(triton_cdiv(r1 - r0, block_n), triton_cdiv(K, block_k))](
-            w_view, g_view, *state_args, *exports,
-            mix_seed(key, r0), r1 - r0, K, n_blocks(K),
-            W_BF16=w_bf16, G_BF16=g_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        )
+        _launch_elementwise(elementwise, w_slab, grad, state_args, layouts, exports, mix_seed(key, r0), rounding)
     _commit_scalars(state, scalar_updates)
+
+
+def slab_rows(N: int, K: int, element_size: int, slab_bytes: int) -> int:
+    """Rows of dW [N, K] per slab of `slab_linear_step`: whole rows within `slab_bytes`, at least one."""
+    return max(1, min(N, int(slab_bytes) // (K * element_size)))
 
 
 def step(
@@ -332,23 +338,29 @@ def step(
         if t.device != param.device:
             raise ValueError(f"{what} is on {t.device} but param is on {param.device}")
     grad = grad.contiguous()
-    p_view, p_bf16 = _weight_view(param, "param")
-    g_view, g_bf16 = _weight_view(grad, "grad")
+    _weight_view(param, "param")  # dtype checks before any other work
+    _weight_view(grad, "grad")
     _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
     state_args, layouts = _prepare_state(spec, names, state, param)
     rows, cols = as_rows(param).shape
-    if rows * cols == 0:
-        _commit_scalars(state, scalar_updates)
-        return
+    if rows * cols:
+        _launch_elementwise(elementwise, param, grad, state_args, layouts, exports, mix_seed(seed, step), rounding)
+    _commit_scalars(state, scalar_updates)
+
+
+def _launch_elementwise(elementwise, param: torch.Tensor, grad: torch.Tensor, state_args: list, layouts: dict,
+                        exports: tuple, key: int, rounding: str) -> None:
+    """One launch of a variant's element-wise kernel over `param` viewed as rows (`grad` contiguous, same shape)."""
+    rows, cols = as_rows(param).shape
+    p_view, p_bf16 = _weight_view(param, "param")
+    g_view, g_bf16 = _weight_view(grad, "grad")
     block_n, block_k, num_warps = step_config(rows, cols, param.device)
-    grid = (triton_cdiv(rows, block_n), triton_cdiv(cols, block_k))
-    elementwise[grid](
+    elementwise[(triton_cdiv(rows, block_n), triton_cdiv(cols, block_k))](
         p_view, g_view, *state_args, *exports,
-        mix_seed(seed, step), rows, cols, n_blocks(cols),
+        key, rows, cols, n_blocks(cols),
         W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
-    _commit_scalars(state, scalar_updates)
 
 
 def triton_cdiv(a: int, b: int) -> int:

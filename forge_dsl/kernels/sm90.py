@@ -118,10 +118,7 @@ def main(argv=None) -> None:
     ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES (default: fused_config for --tokens)")
     ap.add_argument("--tokens", type=int, default=2048, help="T for the default config (default 2048)")
     args = ap.parse_args(argv)
-    config = None
-    if args.config:
-        bt, bn, bk, warps, stages = (int(v) for v in args.config.split(","))
-        config = TileConfig(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    config = TileConfig.parse(args.config) if args.config else None
     for name in builtin_names() if args.all else [args.spec]:
         hypers = {"momentum": 0.9} if load_spec(name).name == "sgd_momentum" else {}
         print(f"{name:>13} {args.layout:>5}: {compile_fused(name, args.layout, config, args.tokens, **hypers)}")
