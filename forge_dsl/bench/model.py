@@ -12,6 +12,14 @@ and on, AdamW (lr 1e-5, torch defaults otherwise) run by:
     torchao-adamw8bit        torchao.optim.AdamW8bit        (only if torchao is installed)
     bnb-adamw8bit            bitsandbytes.optim.AdamW8bit   (only if bitsandbytes is installed)
 
+The loss is transformers' causal-LM cross-entropy (labels = the ids shifted by
+one), computed by `--loss`:
+
+    transformers  model(input_ids=ids, labels=ids).loss: the [T, vocab] logits upcast to fp32, with the
+                  log-softmax and its gradient kept (~3.5 GiB at 2048 × 151936: the step's peak)
+    inplace       lean_loss.causal_lm_loss_inplace: the same loss from fp32 chunks of rows, the gradient
+                  written into the bf16 logits in the forward (Liger-Kernel's cross-entropy, in PyTorch)
+
 Each run starts from an empty allocator with a fresh model.  After the warm-up
 steps: peak memory (max_memory_allocated over the measured steps), the median
 step time (cuda-synchronized), tokens/s and a breakdown of the peak: weights;
@@ -35,6 +43,7 @@ import forge_dsl
 
 from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
                      peak_memory_bytes, pyplot, reset_peak_memory, synchronize)
+from .lean_loss import causal_lm_loss_inplace
 
 LR = 1e-5
 
@@ -67,6 +76,12 @@ MODELS = {
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)),
 }
 FULL_MODELS = ["llama3.1-8b", "qwen3-14b", "qwen3-32b"]
+
+# --loss: name -> loss(model, ids), both transformers' causal-LM loss with the ids as labels
+LOSSES = {
+    "transformers": lambda model, ids: model(input_ids=ids, labels=ids, use_cache=False).loss,
+    "inplace": causal_lm_loss_inplace,
+}
 
 
 @dataclass(frozen=True)
@@ -154,6 +169,9 @@ def add_arguments(ap) -> None:
                                   "(default 512,2048; --quick: 512; CPU: 32)")
     ap.add_argument("--checkpointing", choices=("off", "on", "both"),
                     help="activation checkpointing (default: both; --quick: off)")
+    ap.add_argument("--loss", choices=tuple(LOSSES), default="transformers",
+                    help="transformers: model(..., labels=ids).loss; inplace: the same loss from fp32 chunks, "
+                         "its gradient written into the bf16 logits (default: transformers)")
     ap.add_argument("--warmup", type=int, default=2, help="steps before measuring (default 2)")
     ap.add_argument("--steps", type=int, default=4, help="measured steps, median taken (default 4)")
 
@@ -182,7 +200,7 @@ def resolve_settings(args, device: torch.device) -> dict:
     checkpointing = args.checkpointing or ("off" if args.quick else "both")
     return {"models": models, "methods": methods, "batch": 1, "seq": seqs,
             "checkpointing": [False, True] if checkpointing == "both" else [checkpointing == "on"],
-            "warmup_steps": args.warmup, "measured_steps": args.steps, "lr": LR, "dtype": "bf16",
+            "loss": args.loss, "warmup_steps": args.warmup, "measured_steps": args.steps, "lr": LR, "dtype": "bf16",
             "dims": {m: MODELS[m][1] for m in models}}
 
 
@@ -221,9 +239,9 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def train_step(model, ids: torch.Tensor, finish: Callable[[], None]) -> int:
+def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: str) -> int:
     """Forward, backward, optimizer; returns the bytes of gradients materialized at the end of backward."""
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss = LOSSES[loss_name](model, ids)
     loss.backward()
     grad_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
     finish()
@@ -261,7 +279,7 @@ def _run_steps(model, finish, seq: int, device: torch.device, settings: dict):
     ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=gen).to(device)
     grads = 0
     for _ in range(settings["warmup_steps"]):
-        grads = train_step(model, ids, finish)
+        grads = train_step(model, ids, finish, settings["loss"])
     synchronize(device)
     persistent = allocated_bytes(device)  # weights + optimizer state (+ small workspaces): gradients are freed
     reset_peak_memory(device)
@@ -269,7 +287,7 @@ def _run_steps(model, finish, seq: int, device: torch.device, settings: dict):
     for _ in range(settings["measured_steps"]):
         synchronize(device)
         start = time.perf_counter()
-        train_step(model, ids, finish)
+        train_step(model, ids, finish, settings["loss"])
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return grads, persistent, times
@@ -277,7 +295,7 @@ def _run_steps(model, finish, seq: int, device: torch.device, settings: dict):
 
 def run_one(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device, settings: dict) -> dict:
     """One row; a missing package, an OOM or another failure is a result (the remaining runs still run)."""
-    row = {"model": name, "method": method.name, "batch": 1, "seq": seq, "tokens": seq,
+    row = {"model": name, "method": method.name, "loss": settings["loss"], "batch": 1, "seq": seq, "tokens": seq,
            "checkpointing": checkpointing, "status": "ok"}
     if method.needs and importlib.util.find_spec(method.needs) is None:
         return {**row, "status": "not installed"}
@@ -325,10 +343,10 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
 
 
 def table(rows: list[dict]) -> str:
-    headers = ["model", "tokens", "ckpt", "method", "status", "peak GiB", "step ms", "tokens/s",
+    headers = ["model", "tokens", "ckpt", "method", "loss", "status", "peak GiB", "step ms", "tokens/s",
                "weights GiB", "opt state GiB", "grads GiB", "rest GiB"]
-    body = [[r["model"], f"1×{r['seq']}", "on" if r["checkpointing"] else "off", r["method"], r["status"],
-             r.get("peak_gib"), r.get("step_ms"), r.get("tokens_per_s"), r.get("weights_gib"),
+    body = [[r["model"], f"1×{r['seq']}", "on" if r["checkpointing"] else "off", r["method"], r["loss"],
+             r["status"], r.get("peak_gib"), r.get("step_ms"), r.get("tokens_per_s"), r.get("weights_gib"),
              r.get("optimizer_state_gib"), r.get("gradients_gib"), r.get("rest_gib")] for r in rows]
     return format_table(headers, body)
 
@@ -363,6 +381,7 @@ def plot(results: Results) -> None:
     time_ax.set_xlabel("step time (ms)")
     for ax in (mem, time_ax):
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(f"training step, bf16 weights, batch 1 — {results.data['device']}", fontsize=9)
+    fig.suptitle(f"training step, bf16 weights, batch 1, {results.data['settings']['loss']} loss — "
+                 f"{results.data['device']}", fontsize=9)
     results.save_figure(fig)
     plt.close(fig)
