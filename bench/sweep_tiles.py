@@ -19,18 +19,22 @@ import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig, launch
 
-# TileConfig(block_t, block_n, block_k, group_n, num_warps, num_stages). docs/PERF.md (v1, v2) has the results
-# of this list and of the lists it replaced (loading W and state after the token loop; persistent programs
-# that load the next tile a whole tile ahead: both slower, both removed).
+# TileConfig(block_t, block_n, block_k, group_n, num_warps, num_stages, split_k, tma). docs/PERF.md (v1-v3) has
+# the results of this list and of the lists it replaced (loading W and state after the token loop; persistent
+# programs that load the next tile a whole tile ahead; an L2 prefetch of W and state: slower or no faster, removed).
 CONFIGS = [
-    TileConfig(64, 64, 64, 8, 4, 4),  # default up to 4096 tokens (bf16 and fp32 state)
-    TileConfig(128, 64, 64, 8, 4, 3),  # default up to 4096 tokens with int8 state
-    TileConfig(64, 128, 128, 8, 8, 4),  # default above 4096 tokens
-    TileConfig(64, 64, 64, 8, 8, 3),  # 97 registers: 2 programs of 8 warps per SM
-    TileConfig(128, 64, 64, 8, 8, 3),
-    TileConfig(64, 128, 64, 8, 8, 3),  # 179 registers
-    TileConfig(64, 64, 128, 8, 8, 3),
-    TileConfig(128, 128, 128, 8, 8, 3),
+    TileConfig(64, 64, 64, 8, 4, 4),  # v2 default up to 4096 tokens (bf16 and fp32 state)
+    TileConfig(64, 64, 64, 8, 4, 4, 1, True),
+    TileConfig(128, 64, 64, 8, 4, 3),  # v2 default up to 4096 tokens with int8 state
+    TileConfig(128, 64, 64, 8, 4, 3, 1, True),
+    TileConfig(64, 128, 128, 8, 8, 4),  # v2 default above 4096 tokens (255 registers, spills)
+    TileConfig(64, 128, 128, 8, 8, 4, 1, True),
+    TileConfig(64, 128, 128, 8, 8, 4, 2, False),  # halves: 181 registers, no spills
+    TileConfig(64, 128, 128, 8, 8, 4, 2, True),
+    TileConfig(64, 128, 128, 8, 8, 3, 2, True),
+    TileConfig(128, 128, 128, 8, 8, 3, 2, True),
+    TileConfig(64, 64, 128, 8, 8, 4, 2, True),  # halves: 127 registers, two programs per SM
+    TileConfig(64, 64, 128, 8, 8, 3, 2, True),
 ]
 # (BLOCK_N, BLOCK_K, num_warps) of the element-wise kernel; launch.step_config picks one by shape.
 STEP_CONFIGS = [(16, 256, 8), (16, 256, 4), (8, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4),
@@ -57,6 +61,17 @@ def sweep_fused(spec_name, layout, N, K, tokens, rows):
         dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
         w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)  # scratch weight
         state = forge_dsl.init_state(spec, w, layout=layout, **kw)
+        if spec_name == "adamw" and layout == "bf16":  # the baseline, side by side
+            p = torch.nn.Parameter(w.clone())
+            opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+
+            def torch_pair():
+                p.grad = dy.T @ x
+                opt.step()
+            rows.append({"kind": "torch", "spec": spec_name, "layout": layout, "N": N, "K": K, "T": T,
+                         "config": "cuBLAS dW + torch AdamW(fused=True)", "ms": bench(torch_pair)})
+            print(json.dumps(rows[-1]), flush=True)
+            del p, opt
         for cfg in CONFIGS:
             ms = bench(lambda: kernels.fused_linear_step(spec, x, dy, w, state, step=1, config=cfg, **kw))
             rows.append({"kind": "fused", "spec": spec_name, "layout": layout, "N": N, "K": K, "T": T,
@@ -94,7 +109,8 @@ def print_table(rows):
     for r in rows:
         c = r["config"]
         if isinstance(c, dict):
-            c = f"BT{c['block_t']} {c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+            c = (f"BT{c['block_t']} {c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+                 f"{' halves' if c.get('split_k', 1) == 2 else ''}{' TMA' if c.get('tma') else ''}")
         print(f"{r['kind']:>5} {r['spec']:>8} {r['layout']:>6} {str(r['N']) + 'x' + str(r['K']):>11} "
               f"{r.get('T', ''):>5}  {str(c):<52} {r['ms']:>8.3f}")
 
@@ -133,7 +149,8 @@ def main(argv=None):
     best = best_config(rows)
     if best is not None:
         print("best fused config over all cases (geometric mean): --config "
-              f"{best['block_t']},{best['block_n']},{best['block_k']},{best['num_warps']},{best['num_stages']}")
+              f"{best['block_t']},{best['block_n']},{best['block_k']},{best['num_warps']},{best['num_stages']},"
+              f"{best['split_k']},{int(best['tma'])}")
 
 
 if __name__ == "__main__":

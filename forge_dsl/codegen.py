@@ -213,25 +213,27 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
 
     raw = ["r_param"] + [name for s in states for name in (f"r_{s}", f"q_{s}")]
 
-    def load_args(weight: str, indent: str) -> str:
+    def load_args(weight: str, indent: str, block_k: str = "BLOCK_K") -> str:
         return _wrapped_args(
             [weight, *state_ptrs, "offs", "mask", "offs_n", "k_start", "n_blocks", "W_BF16", *layouts, "BLOCK_N",
-             "BLOCK_K"],
+             block_k],
             indent,
         )
 
-    def apply_args(weight: str, grad: str, indent: str) -> str:
+    def apply_args(weight: str, grad: str, indent: str, block_k: str = "BLOCK_K") -> str:
         return _wrapped_args(
             [weight, *state_ptrs, *exports, grad, *raw, "offs", "mask", "offs_n", "k_start", *common,
-             *layouts, "BLOCK_N", "BLOCK_K"],
+             *layouts, "BLOCK_N", block_k],
             indent,
         )
 
     return {
         "raw": raw,
-        "load_args": load_args("W", " " * 8),
+        "load_args": load_args("W", " " * 12),
+        "load_args_half": load_args("W", " " * 12, "HALF_K"),
         "load_args_step": load_args("P", " " * 8),
-        "apply_fused": apply_args("W", "acc", " " * 8),
+        "apply_fused": apply_args("W", "acc", " " * 12),
+        "apply_halves": [apply_args("W", f"acc{h}", " " * 12, "HALF_K") for h in (0, 1)],
         "apply_step": apply_args("P", "b_grad", " " * 8),
         "index": index,
         "combo": describe_combo(low.combo) or "no flags",
@@ -253,8 +255,8 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
 def render_module(spec: ir.Spec, spec_path: str) -> str:
     """The generated module for `spec` (read from `spec_path`, a name shown in the header)."""
     variants = [_variant_data(spec, i, low) for i, low in enumerate(lower_all(spec))]
-    lib_imports = ["accumulate_dw", "decode_weight", "load_weight", "load_weight_raw", "store_weight", "tile_at",
-                   "tile_offsets"]
+    lib_imports = ["accumulate_dw", "accumulate_dw_halves", "decode_weight", "load_weight", "load_weight_raw",
+                   "store_weight", "tile_at", "tile_offsets"]
     if any(v["states"] for v in variants):
         lib_imports += ["decode_state", "load_state_raw", "store_state"]
     needs_op = any("_op(" in line.expr for v in variants for line in v["host_lines"])

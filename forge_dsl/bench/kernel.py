@@ -25,6 +25,7 @@ import argparse
 import functools
 import itertools
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -323,12 +324,26 @@ def add_ratios(row: dict) -> None:
         row[f"fused_speedup_vs_{key}"] = ms / fused if ms and fused else None
 
 
+def warm_up(device: torch.device, seconds: float = 1.0) -> None:
+    """Keep the GPU busy for a moment before the first timing: an idle H200 starts at low clocks, and the first
+    row measured 2× slow without this (docs/PERF.md, v3)."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize(device)
+
+
 def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
     """Run the grid, writing the JSON after every row and the PNG at the end; the results and the table."""
     settings = resolve_settings(args, device)
     results = Results("kernel", argv, args.out, args.quick, device, settings)
     shapes = [Shape(**s) for s in settings["shapes"]]
     grid = list(itertools.product(shapes, settings["tokens"], settings["specs"]))
+    warm_up(device)
     progress = Progress(len(grid) * len(settings["layouts"]))
     for shape, T, spec_name in grid:
         label = f"{spec_name} {shape.N}x{shape.K} T={T}"

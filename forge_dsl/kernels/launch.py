@@ -26,7 +26,7 @@ from ..config import resolve_hypers
 from ..layouts import BLOCK, StateLayout, as_rows, n_blocks
 from .compiled import compiled_module
 
-__all__ = ["fused_linear_step", "slab_linear_step", "step", "TileConfig", "mix_seed"]
+__all__ = ["fused_linear_step", "slab_linear_step", "linear_step", "step", "TileConfig", "mix_seed"]
 
 _LAYOUT_OF_DTYPE = {
     torch.float32: StateLayout.FP32,
@@ -47,15 +47,23 @@ class TileConfig:
     group_n: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    split_k: int = 1  # 2: accumulate and update the tile as two column halves (see the fused kernel)
+    tma: bool = False  # read the activations with Hopper TMA copies where their layout allows it
 
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
-        """'64,128,128,8,3' → TileConfig(block_t=64, block_n=128, block_k=128, num_warps=8, num_stages=3)."""
+        """'64,128,128,8,3[,SPLIT_K[,TMA]]' → TileConfig(block_t=64, block_n=128, block_k=128,
+        num_warps=8, num_stages=3, split_k=1, tma=False)."""
         try:
-            bt, bn, bk, warps, stages = (int(v) for v in text.split(","))
+            values = [int(v) for v in text.split(",")]
+            if len(values) not in (5, 6, 7):
+                raise ValueError
         except ValueError:
-            raise ValueError(f"a tile config is five integers BT,BN,BK,WARPS,STAGES, got {text!r}") from None
-        return cls(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            raise ValueError("a tile config is five to seven integers BT,BN,BK,WARPS,STAGES[,SPLIT_K[,TMA]], "
+                             f"got {text!r}") from None
+        bt, bn, bk, warps, stages, *rest = values
+        return cls(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                   split_k=rest[0] if rest else 1, tma=bool(rest[1]) if len(rest) > 1 else False)
 
 
 def interpreting() -> bool:
@@ -65,20 +73,29 @@ def interpreting() -> bool:
 def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool = False) -> TileConfig:
     """Tiles for the fused kernel: large in the interpreter (few programs), H200-measured on CUDA.
 
-    From bench/sweep_tiles.py on the H200 (docs/PERF.md, v2): up to a few thousand tokens the
-    activations re-read from L2 and the epilogue cost about the same, and 64×64 tiles (167
-    registers, three programs per SM) hide one behind the other best; with int8 state
-    (`quantized`) 128-token steps in 3 stages are faster there (0.31 against 0.48 ms at 2048
-    tokens, W 4096²). At 8192 tokens the GEMM dominates and 128×128 tiles, which re-read the
-    activations half as often, win.
+    From bench/sweep_tiles.py on the H200 (docs/PERF.md, v2 and v3):
+    * up to 1024 tokens, 64×64 tiles (three programs per SM: one's epilogue overlaps another's
+      token loop); with int8 state (`quantized`) 128-token steps in 3 stages, up to 4096 tokens;
+    * from 1024 to 4096 tokens, 128×128 tiles accumulated and updated as two column halves
+      (181 registers, no spills), re-reading the activations half as often;
+    * above 4096 tokens, whole 128×128 tiles (the GEMM dominates; the spilled epilogue is cheaper
+      than the halves' second pass over ΔY's registers);
+    * activations through TMA descriptors for layers of 4096² elements and more (10–25 % faster
+      there); smaller layers keep plain loads, which measured faster for the k/v projections.
     """
     if device.type != "cuda":
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=1)
+    tma = N * K >= 2**24
+    if quantized:
+        if T <= 4096:
+            return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3, tma=tma)
+        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=tma)
+    if T <= 1024:
+        return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4, tma=tma)
     if T <= 4096:
-        if quantized:
-            return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3)
-        return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4)
-    return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4)
+        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, split_k=2,
+                          tma=tma)
+    return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=tma)
 
 
 def step_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
@@ -236,21 +253,69 @@ def fused_linear_step(
         return
     quantized = any(code in (StateLayout.INT8, StateLayout.UINT8_SQRT) for code in layouts.values())
     cfg = config or fused_config(T, N, K, weight.device, quantized)
-    if cfg.block_k % BLOCK:
-        raise ValueError(f"block_k must be a multiple of {BLOCK}, got {cfg.block_k}")
+    if cfg.block_k % BLOCK or cfg.split_k not in (1, 2) or (cfg.block_k // cfg.split_k) % BLOCK:
+        raise ValueError(f"block_k / split_k must be a multiple of {BLOCK} with split_k 1 or 2, got {cfg}")
     dot_fp32 = interpreting() or x.dtype == torch.float32
     precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
     grid = (triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k),)
+    tma = cfg.tma and tma_compatible(x2) and tma_compatible(dy2)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # triton is imported on first launch
+
+        x_arg = TensorDescriptor.from_tensor(x2, [cfg.block_t, cfg.block_k // cfg.split_k])
+        dy_arg = TensorDescriptor.from_tensor(dy2, [cfg.block_t, cfg.block_n])
+    else:
+        x_arg, dy_arg = x2, dy2
     fused[grid](
-        x2, dy2, w_view, *state_args, *exports,
+        x_arg, dy_arg, w_view, *state_args, *exports,
         mix_seed(seed, step), T, N, K, n_blocks(K),
         x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
         W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
         DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
         BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
+        SPLIT_K=cfg.split_k, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _commit_scalars(state, scalar_updates)
+
+
+SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (16-bit activations on CUDA)
+LINEAR_PATHS = ("auto", "fused", "slab")
+
+
+def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor,
+                state: MutableMapping[str, torch.Tensor], *, path: str = "auto", tf32: bool = False,
+                **kwargs: Any) -> None:
+    """`fused_linear_step` or `slab_linear_step`, whichever is faster for this layer on this device.
+
+    path "auto": the slab path for 16-bit activations on CUDA from `SLAB_MIN_TOKENS` tokens, where
+    cuBLAS's GEMM beats the fused kernel's token loop by more than the slab's extra dW traffic (an
+    L2-resident 16 MiB slab; docs/PERF.md, v3); the fused kernel otherwise. Its dW is then rounded to
+    the activations' dtype, as autograd's is; the fused kernel keeps it in fp32. "fused" / "slab"
+    force one. Other arguments as for `fused_linear_step`.
+    """
+    if path not in LINEAR_PATHS:
+        raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
+    if path == "auto":
+        tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        path = auto_linear_path(tokens, x.dtype, weight.device)
+    if path == "slab":
+        slab_linear_step(spec, x, dy, weight, state, **kwargs)
+    else:
+        fused_linear_step(spec, x, dy, weight, state, tf32=tf32, **kwargs)
+
+
+def auto_linear_path(tokens: int, dtype: torch.dtype, device: torch.device) -> str:
+    """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`."""
+    slab = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and tokens >= SLAB_MIN_TOKENS
+    return "slab" if slab else "fused"
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """A 2-D activation a TMA descriptor can read: some rows, rows contiguous, 16-byte aligned start and row stride."""
+    size = t.element_size()
+    return (t.dim() == 2 and t.shape[0] > 0 and t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0
+            and t.data_ptr() % 16 == 0 and (t.shape[1] * size) >= 16)
 
 
 def slab_linear_step(
@@ -269,9 +334,11 @@ def slab_linear_step(
     """The update of `fused_linear_step`, with dW computed by cuBLAS one slab of rows at a time.
 
     dW[r0:r1] = dy[:, r0:r1]ᵀ · x, in the activations' dtype like autograd's, is consumed at once by
-    the element-wise step kernel: at most `slab_bytes` of gradient exist at any time (whole rows,
-    at least one), little enough to stay in L2 between the GEMM that writes it and the kernel that
-    reads it. The full dW is never stored. Float32 products follow torch's matmul precision.
+    the element-wise step kernel: at most `slab_bytes` of gradient exist at any time (whole rows, a
+    multiple of 128 where there are that many, at least one), little enough to stay in L2 between
+    the GEMM that writes it and the kernel that reads it. The full dW is never stored. Float32
+    products follow torch's matmul precision. (A bf16 GEMM with an fp32 output, which would keep
+    the fused kernel's precision, ran 2–8× slower in torch 2.11: docs/PERF.md, v3.)
 
     Arguments as for `fused_linear_step`, plus `slab_bytes`. The stochastic-rounding bits are a
     function of (seed, step, the slab's first row, element index in the slab): not the bits
@@ -302,8 +369,11 @@ def slab_linear_step(
 
 
 def slab_rows(N: int, K: int, element_size: int, slab_bytes: int) -> int:
-    """Rows of dW [N, K] per slab of `slab_linear_step`: whole rows within `slab_bytes`, at least one."""
-    return max(1, min(N, int(slab_bytes) // (K * element_size)))
+    """Rows of dW [N, K] per slab of `slab_linear_step`: whole rows within `slab_bytes`, rounded down to a
+    multiple of 128 where that leaves any (cuBLAS is slow on ragged M: 585 rows ran 4× slower than 512),
+    at least one."""
+    rows = max(1, min(N, int(slab_bytes) // (K * element_size)))
+    return rows if rows < 128 or rows == N else rows // 128 * 128
 
 
 def step(

@@ -72,12 +72,15 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), quantized)
     constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": False, "INPUT_PRECISION": None,
                   "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
-                  "stride_xk": 1, "stride_dyn": 1, **layouts}
+                  "SPLIT_K": cfg.split_k, "TMA": cfg.tma, "stride_xk": 1, "stride_dyn": 1, **layouts}
     export_values = dict(zip([a for a in fused.arg_names if a.startswith("h_")], exports))
     signature = {}
     for arg in fused.arg_names:
         if arg in constexprs:
             signature[arg] = "constexpr"
+        elif arg in ("X", "DY") and cfg.tma:
+            block = [cfg.block_t, cfg.block_k // cfg.split_k if arg == "X" else cfg.block_n]
+            signature[arg] = f"tensordesc<bf16{block}>"
         elif arg in ("X", "DY"):
             signature[arg] = "*bf16"
         elif arg == "W":
@@ -115,7 +118,7 @@ def main(argv=None) -> None:
     ap.add_argument("spec", nargs="?", default="adamw", help="built-in name or .fopt path (default adamw)")
     ap.add_argument("--all", action="store_true", help="every built-in spec")
     ap.add_argument("--layout", default="bf16", help="state layout: fp32, bf16 or int8 (default bf16)")
-    ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES (default: fused_config for --tokens)")
+    ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES[,SPLIT_K[,TMA]] (default: fused_config for --tokens)")
     ap.add_argument("--tokens", type=int, default=2048, help="T for the default config (default 2048)")
     args = ap.parse_args(argv)
     config = TileConfig.parse(args.config) if args.config else None

@@ -57,7 +57,9 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 __all__ = [
     "accumulate_dw",
+    "accumulate_dw_halves",
     "grouped_tile",
+    "load_tokens",
     "tile_at",
     "tile_offsets",
     "bf16_bits_to_fp32",
@@ -177,36 +179,77 @@ def grouped_tile(pid, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_
 @triton.jit
 def tile_at(tile, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
     """Tile number `tile` (in [0, number of tiles)) of W [N, K] in grouped order:
-    (offs_n [BLOCK_N] rows, offs_k [BLOCK_K] columns, k_start = its first column)."""
+    (offs_n [BLOCK_N] rows, offs_k [BLOCK_K] columns, n_start, k_start = its first row and column)."""
     pid_n, pid_k = grouped_tile(tile, N, K, BLOCK_N, BLOCK_K, GROUP_N)
+    n_start = pid_n * BLOCK_N
     k_start = pid_k * BLOCK_K
-    return pid_n * BLOCK_N + tl.arange(0, BLOCK_N), k_start + tl.arange(0, BLOCK_K), k_start
+    return n_start + tl.arange(0, BLOCK_N), k_start + tl.arange(0, BLOCK_K), n_start, k_start
 
 
 @triton.jit
-def accumulate_dw(X, DY, offs_n, offs_k, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
-                  DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """dW[offs_n, offs_k] = DY[:, offs_n]ᵀ · X[:, offs_k] over all T tokens, in fp32 registers.
+def load_tokens(A, t_start, c_start, n_rows, n_cols, stride_t, stride_c, TMA: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The [BLOCK_T, BLOCK_C] block of an activation A [n_rows tokens, n_cols] at (t_start, c_start), 0 outside.
 
-    X [T, K] and DY [T, N] with any strides; ragged edges masked; int64 offsets.
-    DOT_FP32 upcasts the operands (the interpreter's bf16 dot is wrong; fp32
-    activations are fp32 anyway); INPUT_PRECISION is "ieee", "tf32" or None
-    (native bf16). Returns the [BLOCK_N, BLOCK_K] accumulator.
+    TMA: A is a `TensorDescriptor` with that block shape (a Hopper TMA copy); otherwise a
+    pointer with strides (stride_t, stride_c).
+    """
+    if TMA:
+        return A.load([t_start, c_start])
+    else:
+        offs_t = t_start + tl.arange(0, BLOCK_T)
+        offs_c = c_start + tl.arange(0, BLOCK_C)
+        p = A + offs_t[:, None].to(tl.int64) * stride_t + offs_c[None, :].to(tl.int64) * stride_c
+        return tl.load(p, mask=(offs_t[:, None] < n_rows) & (offs_c[None, :] < n_cols), other=0.0)
+
+
+@triton.jit
+def accumulate_dw(X, DY, n_start, k_start, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
+                  DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """dW[n_start:+BLOCK_N, k_start:+BLOCK_K] = DY[:, n-block]ᵀ · X[:, k-block] over all T tokens, in fp32 registers.
+
+    X [T, K] and DY [T, N]: pointers with any strides, or TMA descriptors (TMA) with blocks
+    [BLOCK_T, BLOCK_K] and [BLOCK_T, BLOCK_N]; ragged edges read 0. DOT_FP32 upcasts the
+    operands (the interpreter's bf16 dot is wrong; fp32 activations are fp32 anyway);
+    INPUT_PRECISION is "ieee", "tf32" or None (native bf16). Returns the [BLOCK_N, BLOCK_K] accumulator.
     """
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # [BN, BK]
     for t0 in range(0, T, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        m_t = offs_t < T
-        p_x = X + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :].to(tl.int64) * stride_xk
-        p_dy = DY + offs_t[:, None].to(tl.int64) * stride_dyt + offs_n[None, :].to(tl.int64) * stride_dyn
-        b_x = tl.load(p_x, mask=m_t[:, None] & (offs_k[None, :] < K), other=0.0)  # [BT, BK]
-        b_dy = tl.load(p_dy, mask=m_t[:, None] & (offs_n[None, :] < N), other=0.0)  # [BT, BN]
+        b_x = load_tokens(X, t0, k_start, T, K, stride_xt, stride_xk, TMA, BLOCK_T, BLOCK_K)  # [BT, BK]
+        b_dy = load_tokens(DY, t0, n_start, T, N, stride_dyt, stride_dyn, TMA, BLOCK_T, BLOCK_N)  # [BT, BN]
         if DOT_FP32:
             b_x = b_x.to(tl.float32)
             b_dy = b_dy.to(tl.float32)
         acc = tl.dot(tl.trans(b_dy), b_x, acc, input_precision=INPUT_PRECISION)
     return acc
+
+
+@triton.jit
+def accumulate_dw_halves(X, DY, n_start, k_start, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
+                         DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HALF_K: tl.constexpr):
+    """`accumulate_dw` for a [BLOCK_N, 2·HALF_K] tile, kept as its two column halves.
+
+    Returns (acc0, acc1), each [BLOCK_N, HALF_K] fp32: columns k_start + [0, HALF_K) and
+    k_start + [HALF_K, 2·HALF_K). Same products and order per element as `accumulate_dw`
+    (one ΔY block, two dots), so an epilogue can run on one half while the other waits,
+    needing half the registers of a whole-tile epilogue. With TMA, X's blocks are [BLOCK_T, HALF_K].
+    """
+    acc0 = tl.zeros((BLOCK_N, HALF_K), dtype=tl.float32)  # [BN, BK/2]
+    acc1 = tl.zeros((BLOCK_N, HALF_K), dtype=tl.float32)  # [BN, BK/2]
+    for t0 in range(0, T, BLOCK_T):
+        b_dy = load_tokens(DY, t0, n_start, T, N, stride_dyt, stride_dyn, TMA, BLOCK_T, BLOCK_N)  # [BT, BN]
+        b_x0 = load_tokens(X, t0, k_start, T, K, stride_xt, stride_xk, TMA, BLOCK_T, HALF_K)  # [BT, BK/2]
+        b_x1 = load_tokens(X, t0, k_start + HALF_K, T, K, stride_xt, stride_xk, TMA, BLOCK_T, HALF_K)
+        if DOT_FP32:
+            b_x0 = b_x0.to(tl.float32)
+            b_x1 = b_x1.to(tl.float32)
+            b_dy = b_dy.to(tl.float32)
+        b_dyt = tl.trans(b_dy)
+        acc0 = tl.dot(b_dyt, b_x0, acc0, input_precision=INPUT_PRECISION)
+        acc1 = tl.dot(b_dyt, b_x1, acc1, input_precision=INPUT_PRECISION)
+    return acc0, acc1
 
 
 # ---------------------------------------------------------------------------
