@@ -41,7 +41,7 @@ import torch
 from .api import SpecLike, init_state, load_spec
 from .config import resolve_hypers
 from .kernels import launch
-from .kernels.launch import fused_linear_step, step as elementwise_step
+from .kernels.launch import LINEAR_PATHS, linear_step, step as elementwise_step
 
 __all__ = ["ForgeOptimizer"]
 
@@ -184,6 +184,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
             exact fp32 under `torch.set_float32_matmul_precision("highest")` (the default), TF32
             tensor cores under "high" or "medium", like every other matmul of the model.
         fuse: False steps every parameter from its gradient (no fusion; for comparisons).
+        linear_path: "auto" (default), "fused" or "slab": how a fused layer's update runs
+            (`forge_dsl.kernels.linear_step`). "auto" takes the tile-fused kernel, except for bf16/fp16
+            activations on CUDA from 4097 tokens per step, where cuBLAS dW in 16 MiB row slabs
+            consumed at once by the step kernel measured faster (dW then rounded to bf16 as
+            autograd's is; never more than one slab of it exists).
         **hypers: the spec's keywords with torch's names and defaults (`lr`, `betas=(...)`, ...).
 
     Raises:
@@ -201,8 +206,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         rounding: str = "stochastic",
         seed: int = 0,
         fuse: bool = True,
+        linear_path: str = "auto",
         **hypers: Any,
     ) -> None:
+        if linear_path not in LINEAR_PATHS:
+            raise ValueError(f"linear_path must be one of {', '.join(LINEAR_PATHS)}, got {linear_path!r}")
+        self.linear_path = linear_path
         if "max_grad_norm" in hypers:
             raise ValueError("ForgeOptimizer does not offer max_grad_norm: " + _CLIP_MESSAGE)
         if rounding not in ("stochastic", "nearest"):
@@ -338,8 +347,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         group = self._group_of[weight]
         hypers = self._group_hypers(group)
         state = self._state_for(weight, hypers)
-        fused_linear_step(
-            self.spec, x, dy, weight.data, state, step=int(state["step"].item()) + 1,
+        linear_step(
+            self.spec, x, dy, weight.data, state, path=self.linear_path, step=int(state["step"].item()) + 1,
             seed=int(state["seed"]), rounding=self.rounding,
             tf32=torch.get_float32_matmul_precision() != "highest", **hypers,
         )

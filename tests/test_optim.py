@@ -245,6 +245,21 @@ def test_matches_torch(name, model_name):
         assert int(opt.state[p]["step"]) == steps
 
 
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_slab_path_matches_torch(model_name):
+    """linear_path="slab" (what "auto" takes for long bf16 batches on CUDA): cuBLAS dW per row slab + the step kernel."""
+    make, batches_of, loss_fn = MODELS[model_name]
+    ours = make()
+    theirs = twin(ours, make)
+    opt = ForgeOptimizer(ours, "adamw", linear_path="slab", **HYPERS["adamw"])
+    ref = TORCH_OPTIMIZER["adamw"](theirs.parameters(), **HYPERS["adamw"])
+    batches = batches_of(3)
+    losses = train(ours, opt, batches, loss_fn)
+    assert losses == pytest.approx(train(theirs, ref, batches, loss_fn), rel=1e-5)
+    assert_params_close(ours, theirs)
+    assert fused_names(opt)
+
+
 def test_model_structure_unchanged():
     model = make_llama()
     keys = list(model.state_dict())
@@ -651,6 +666,8 @@ def test_bad_keywords_are_refused_like_torch():
         ForgeOptimizer(model, "adamw", params=[{"params": model.parameters(), "lr": -1.0}])
     with pytest.raises(TypeError, match="missing required keyword argument 'momentum'"):
         ForgeOptimizer(model, "sgd_momentum")
+    with pytest.raises(ValueError, match="linear_path must be one of auto, fused, slab, got 'cublas'"):
+        ForgeOptimizer(model, "adamw", linear_path="cublas")
 
 
 # ----------------------------------------------------------------------------
