@@ -475,13 +475,13 @@ def test_step_counter_seen_in_backward_is_torchs(monkeypatch):
     import forge_dsl.optim as optim_module
 
     seen = []
-    original = optim_module.fused_linear_step
+    original = optim_module.linear_step
 
     def spy(spec, x, dy, weight, state, *, step, **kw):
         seen.append((weight.shape, step))
         return original(spec, x, dy, weight, state, step=step, **kw)
 
-    monkeypatch.setattr(optim_module, "fused_linear_step", spy)
+    monkeypatch.setattr(optim_module, "linear_step", spy)
     make = lambda seed=0: make_mlp(seed, cls=SometimesMLP)  # noqa: E731
     ours = make()
     theirs = twin(ours, make)
