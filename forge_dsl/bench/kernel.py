@@ -107,7 +107,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tokens", help="comma-separated T (default 512,2048,8192; --quick: 512,2048; CPU: 64)")
     ap.add_argument("--layouts", help="comma-separated state layouts of ours: bf16,fp32,int8 "
                                       "(default: all; --quick: bf16)")
-    ap.add_argument("--config", type=parse_config, metavar="BT,BN,BK,WARPS,STAGES",
+    ap.add_argument("--config", type=parse_config, metavar="BT,BN,BK,WARPS,STAGES[,SPLIT_K[,TMA]]",
                     help="tile config of the fused kernel (default: the kernel's own choice)")
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
                     help="bf16 weight write-back of ours (default stochastic; nearest shows what Philox costs)")
@@ -115,7 +115,7 @@ def add_arguments(ap) -> None:
 
 
 def parse_config(text: str) -> TileConfig:
-    """'64,128,128,8,3' → TileConfig(block_t=64, block_n=128, block_k=128, num_warps=8, num_stages=3)."""
+    """`TileConfig.parse`, with the error in argparse's form."""
     try:
         return TileConfig.parse(text)
     except ValueError as err:
