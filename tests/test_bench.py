@@ -126,10 +126,23 @@ def test_inplace_cross_entropy_all_ignored_is_nan_like_torch():
     assert loss.isnan() and (logits.grad == 0).all()
 
 
-def test_inplace_cross_entropy_needs_contiguous_logits():
+def test_inplace_cross_entropy_needs_contiguous_logits_and_positive_chunks():
     logits = torch.randn(10, 6).t()
     with pytest.raises(ValueError, match="contiguous"):
         InplaceCrossEntropy.apply(logits, torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_rows must be a positive integer or None, got -4"):
+        InplaceCrossEntropy.apply(torch.randn(6, 10), torch.zeros(6, dtype=torch.long), -4)
+
+
+def test_inplace_cross_entropy_retained_graph_backward_twice():
+    """A second backward through a retained graph sees the saved gradient, not one scaled by the first."""
+    logits = torch.randn(8, 12, dtype=torch.float64).requires_grad_()
+    labels = torch.randint(0, 12, (8,))
+    loss = InplaceCrossEntropy.apply(logits * 1, labels)
+    (loss * 0.5).backward(retain_graph=True)
+    first = logits.grad.clone()
+    (loss * 0.5).backward()
+    torch.testing.assert_close(logits.grad, 2 * first)
 
 
 def tiny_causal_lm(config_class: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -199,8 +212,10 @@ def test_help_lists_the_subcommands(capsys):
 def test_config_option_is_a_tile_config():
     cfg = kernel.parse_config("64,128,256,8,3")
     assert (cfg.block_t, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (64, 128, 256, 8, 3)
-    with pytest.raises(argparse.ArgumentTypeError, match="five to seven integers"):
-        kernel.parse_config("64,64,64")
+    assert kernel.parse_config("64,128,128,8,4,1,1").k_halves and kernel.parse_config("64,128,128,8,4,1,1").tma
+    for text in ("64,64,64", "64,64,64,4,4,2"):  # too few fields; HALVES is 0 or 1
+        with pytest.raises(argparse.ArgumentTypeError, match="five integers BT,BN,BK,WARPS,STAGES, then optionally"):
+            kernel.parse_config(text)
 
 
 def test_floor_matches_perf_md():

@@ -181,9 +181,9 @@ def test_every_flag_combination(name, combo):
 # ----------------------------------------------------------------------------
 
 
-# The fused kernel's other epilogue: the tile accumulated and updated as two column halves
-# with the activations read through TMA descriptors.
-SPLIT_CONFIG = kernels.TileConfig(64, 64, 128, num_warps=4, num_stages=1, split_k=2, tma=True)
+# The fused kernel's other epilogue: the tile accumulated and updated as two column halves, with the
+# activations read through TMA descriptors; 32-token blocks, so T = 40 takes two, the second ragged.
+SPLIT_CONFIG = kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, k_halves=True, tma=True)
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
@@ -217,14 +217,16 @@ def test_layouts(name, fused, layout, w_dtype):
             tol_w = bound(StateLayout.FP32, ref_w, ref_w)
         else:  # stochastic rounding lands on one of the two bf16 neighbours of the exact value
             tol_w = bf16_ulp(ref_w) * (1 + 1e-3) + FP32_SLACK * ref_w.abs() + 1e-5 * ref_w.abs().max()
-        beyond = (got_w - ref_w).abs() - tol_w > 0
-        ties = 0
-        if fused == "slab" and x.dtype == torch.bfloat16:
-            # A bf16 dW can cancel exactly in an interpolation such as Lion's β1·m + (1 − β1)·g (seen on the
-            # GPU); the sign of that zero is then fp32 vs float64 rounding. Allow a handful of such ties.
-            ties = max(2, beyond.numel() // 1000)
-        excess = ((got_w - ref_w).abs() - tol_w).max().item()
-        assert beyond.sum().item() <= ties, f"step {step}: weight off by {excess:.3e} beyond its bound"
+        err = (got_w - ref_w).abs()
+        beyond = err > tol_w
+        if fused == "slab" and x.dtype == torch.bfloat16 and name == "lion":
+            # A bf16 dW can cancel exactly in Lion's β1·m + (1 − β1)·g (seen on the GPU): the sign of that
+            # zero is fp32 vs float64 rounding, and the update flips by 2·lr. Excuse one such tie per 1000.
+            tie = beyond & (err <= 2 * kw["lr"] * (1 + 1e-3) + tol_w)
+            assert tie.sum().item() <= max(2, tie.numel() // 1000), f"step {step}: {tie.sum().item()} sign ties"
+            beyond &= ~tie
+        assert not beyond.any(), (f"step {step}: {beyond.sum().item()} weights off by up to "
+                                  f"{(err - tol_w).max().item():.3e} beyond their bound")
         for s in spec.states:
             if s.name not in state:
                 continue
@@ -441,3 +443,17 @@ def test_auto_linear_path():
     w, x, dy = make_problem(12, torch.float32)
     with pytest.raises(ValueError, match="path must be one of auto, fused, slab, got 'gemm'"):
         kernels.linear_step("adamw", x, dy, w, forge_dsl.init_state("adamw", w), step=1, path="gemm")
+
+
+def test_linear_step_routes_each_option_to_its_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "fused_linear_step", lambda *a, **kw: calls.append(("fused", kw)))
+    monkeypatch.setattr(launch, "slab_linear_step", lambda *a, **kw: calls.append(("slab", kw)))
+    w, x, dy = make_problem(13, torch.bfloat16)
+    config = kernels.TileConfig(64, 64, 64, num_warps=4, num_stages=1)
+    for path in ("fused", "slab", "auto"):
+        kernels.linear_step("adamw", x, dy, w, {}, path=path, step=1, config=config, slab_bytes=2**20, lr=0.1)
+    (fused, f_kw), (slab, s_kw), (auto, _) = calls
+    assert (fused, slab, auto) == ("fused", "slab", "fused")  # auto: CPU
+    assert f_kw["config"] is config and "slab_bytes" not in f_kw and f_kw["lr"] == 0.1
+    assert s_kw["slab_bytes"] == 2**20 and "config" not in s_kw and "tf32" not in s_kw and s_kw["step"] == 1

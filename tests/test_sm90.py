@@ -18,19 +18,23 @@ import pytest
 import triton
 
 import forge_dsl
+from forge_dsl.kernels.launch import TileConfig
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")),
                                 reason="this Triton has no bundled NVIDIA tools")
 
-# (spec, state layout, hypers, config): None is the default config at 2048 tokens for a 4096² layer
-# (halves, TMA); the others are the 512-token default and the plain-load token loop of small layers.
-CASES = [(name, layout, {"momentum": 0.9} if name == "sgd_momentum" else {}, None)
+# (spec, state layout, hypers, config, activations): config None is the default at 2048 tokens for a
+# 4096² layer (halves, TMA for bf16 activations); the others are the 512-token default, the plain-load
+# token loop of small layers, and float32 activations (exact and TF32 products).
+CASES = [(name, layout, {"momentum": 0.9} if name == "sgd_momentum" else {}, None, "bf16")
          for name in forge_dsl.builtin_names() for layout in ("bf16", "int8")]
-CASES += [("rmsprop", "bf16", h, None)
+CASES += [("rmsprop", "bf16", h, None, "bf16")
           for h in ({"momentum": 0.9}, {"centered": True}, {"centered": True, "momentum": 0.9})]
-CASES += [("adamw", "bf16", {}, "64,64,64,4,4,1,1"), ("adamw", "bf16", {}, "64,64,64,4,4"),
-          ("adamw", "int8", {}, "128,64,64,4,3")]
+CASES += [("adamw", "bf16", {}, "64,64,64,4,4,0,1", "bf16"), ("adamw", "bf16", {}, "64,64,64,4,4", "bf16"),
+          ("adamw", "int8", {}, "128,64,64,4,3", "bf16"), ("adamw", "bf16", {}, None, "fp32"),
+          ("adamw", "int8", {}, None, "tf32")]
+SHARED_MEMORY_PER_PROGRAM = 232448  # the H100/H200 maximum, 227 KiB
 
 # The compiler needs real @triton.jit functions: compile in a process without the interpreter.
 SCRIPT = """
@@ -39,8 +43,8 @@ from dataclasses import asdict
 from forge_dsl.kernels.launch import TileConfig
 from forge_dsl.kernels.sm90 import compile_fused
 cases = json.loads(sys.argv[1])
-print(json.dumps([asdict(compile_fused(name, layout, TileConfig.parse(config) if config else None, T=2048, **hypers))
-                  for name, layout, hypers, config in cases]))
+print(json.dumps([asdict(compile_fused(name, layout, TileConfig.parse(config) if config else None, 2048, act, **hypers))
+                  for name, layout, hypers, config, act in cases]))
 """
 
 
@@ -53,14 +57,17 @@ def resources():
     return dict(zip(range(len(CASES)), json.loads(out.stdout.strip().splitlines()[-1])))
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{n}-{l}-{h}-{c}" for n, l, h, c in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{n}-{l}-{h}-{c}-{a}" for n, l, h, c, a in CASES])
 def test_fused_kernel_compiles_for_sm90_without_spills(resources, index):
     """The configs up to 4096 tokens: no spills, a pipelined token loop (asynchronous copies: TMA, or
     cp.async for plain loads), 16-byte W and state access."""
+    name, layout, hypers, config, activations = CASES[index]
     res = resources[index]
     assert res["stack_bytes"] == 0, f"{CASES[index]} spills: {res}"
     assert res["registers"] <= 255
+    assert res["shared_bytes"] <= SHARED_MEMORY_PER_PROGRAM, f"{CASES[index]} cannot launch: {res}"
     ops = res["memory_ops"]
-    tma = CASES[index][3] is None or CASES[index][3].endswith(",1")
-    assert ops.get("cp.async.bulk.tensor." if tma else "cp.async.cg.shared.global", 0) > 0, res
+    tma = TileConfig.parse(config).tma if config else activations == "bf16"
+    copies = [op for op in ops if op.startswith("cp.async.bulk.tensor" if tma else ("cp.async.cg", "cp.async.ca"))]
+    assert copies, res
     assert ops.get("ld.global.v4.b32", 0) > 0 and ops.get("st.global.v4.b32", 0) > 0, res

@@ -34,7 +34,7 @@ import torch
 import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
-from forge_dsl.kernels.launch import fused_config, slab_rows
+from forge_dsl.kernels.launch import SLAB_BYTES, fused_config, slab_rows
 
 from .common import Progress, Results, UsageError, format_table, free_memory, median_ms, pyplot
 
@@ -86,7 +86,6 @@ TORCH_STEPS = {
 }
 
 
-SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
 
 
 def hypers_for(spec_name: str) -> dict:
@@ -107,7 +106,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tokens", help="comma-separated T (default 512,2048,8192; --quick: 512,2048; CPU: 64)")
     ap.add_argument("--layouts", help="comma-separated state layouts of ours: bf16,fp32,int8 "
                                       "(default: all; --quick: bf16)")
-    ap.add_argument("--config", type=parse_config, metavar="BT,BN,BK,WARPS,STAGES[,SPLIT_K[,TMA]]",
+    ap.add_argument("--config", type=parse_config, metavar="BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]]",
                     help="tile config of the fused kernel (default: the kernel's own choice)")
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
                     help="bf16 weight write-back of ours (default stochastic; nearest shows what Philox costs)")

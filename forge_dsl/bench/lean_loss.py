@@ -48,6 +48,9 @@ class InplaceCrossEntropy(torch.autograd.Function):
         if labels.numel() != rows.shape[0]:
             raise ValueError(f"InplaceCrossEntropy needs one label per row of logits; got {labels.numel()} "
                              f"labels for {rows.shape[0]} rows.")
+        if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
+                                       or chunk_rows < 1):
+            raise ValueError(f"InplaceCrossEntropy: chunk_rows must be a positive integer or None, got {chunk_rows!r}")
         compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         chunk_rows = chunk_rows or max(1, CHUNK_BYTES // (4 * vocab))
         valid = labels != IGNORE_INDEX  # [N]
@@ -71,8 +74,8 @@ class InplaceCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors  # [..., V] in the logits' dtype
-        if grad_output.item() != 1.0:  # loss.backward() passes 1: no [T, V] pass at all
-            grad.mul_(grad_output)
+        if grad_output.item() != 1.0:  # loss.backward() passes 1: no [T, V] pass at all (one host sync)
+            grad = grad * grad_output  # a new tensor: a retained graph's next backward must see the saved one
         return grad, None, None
 
 

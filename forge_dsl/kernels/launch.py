@@ -47,33 +47,34 @@ class TileConfig:
     group_n: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    split_k: int = 1  # 2: accumulate and update the tile as two column halves (see the fused kernel)
+    k_halves: bool = False  # accumulate and update the tile as two column halves (see the fused kernel)
     tma: bool = False  # read the activations with Hopper TMA copies where their layout allows it
 
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
-        """'64,128,128,8,3[,SPLIT_K[,TMA]]' → TileConfig(block_t=64, block_n=128, block_k=128,
-        num_warps=8, num_stages=3, split_k=1, tma=False)."""
+        """'64,128,128,8,3[,HALVES[,TMA]]' (HALVES and TMA 0 or 1) → TileConfig(block_t=64, block_n=128,
+        block_k=128, num_warps=8, num_stages=3, k_halves=False, tma=False)."""
         try:
             values = [int(v) for v in text.split(",")]
-            if len(values) not in (5, 6, 7):
+            if len(values) not in (5, 6, 7) or any(v not in (0, 1) for v in values[5:]):
                 raise ValueError
         except ValueError:
-            raise ValueError("a tile config is five to seven integers BT,BN,BK,WARPS,STAGES[,SPLIT_K[,TMA]], "
-                             f"got {text!r}") from None
+            raise ValueError("a tile config is five integers BT,BN,BK,WARPS,STAGES, then optionally HALVES and TMA "
+                             f"(0 or 1), got {text!r}") from None
         bt, bn, bk, warps, stages, *rest = values
         return cls(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                   split_k=rest[0] if rest else 1, tma=bool(rest[1]) if len(rest) > 1 else False)
+                   k_halves=bool(rest[0]) if rest else False, tma=bool(rest[1]) if len(rest) > 1 else False)
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool = False) -> TileConfig:
+def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool = False,
+                 activations: torch.dtype = torch.bfloat16) -> TileConfig:
     """Tiles for the fused kernel: large in the interpreter (few programs), H200-measured on CUDA.
 
-    From bench/sweep_tiles.py on the H200 (docs/PERF.md, v2 and v3):
+    From bench/sweep_tiles.py on the H200 (docs/PERF.md, v2 and v3), for bf16 activations:
     * up to 1024 tokens, 64×64 tiles (three programs per SM: one's epilogue overlaps another's
       token loop); with int8 state (`quantized`) 128-token steps in 3 stages, up to 4096 tokens;
     * from 1024 to 4096 tokens, 128×128 tiles accumulated and updated as two column halves
@@ -81,10 +82,14 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     * above 4096 tokens, whole 128×128 tiles (the GEMM dominates; the spilled epilogue is cheaper
       than the halves' second pass over ΔY's registers);
     * activations through TMA descriptors for layers of 4096² elements and more (10–25 % faster
-      there); smaller layers keep plain loads, which measured faster for the k/v projections.
+      there); smaller layers keep plain loads.
+    float32 activations keep 64×64 tiles with plain loads (v2's measured config): their blocks take
+    twice the shared memory, and 128×128 tiles in 4 stages would need 256 KiB, over the H200's 227.
     """
     if device.type != "cuda":
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=1)
+    if activations == torch.float32:
+        return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4)
     tma = N * K >= 2**24
     if quantized:
         if T <= 4096:
@@ -93,7 +98,7 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     if T <= 1024:
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4, tma=tma)
     if T <= 4096:
-        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, split_k=2,
+        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, k_halves=True,
                           tma=tma)
     return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=tma)
 
@@ -252,9 +257,9 @@ def fused_linear_step(
         _commit_scalars(state, scalar_updates)
         return
     quantized = any(code in (StateLayout.INT8, StateLayout.UINT8_SQRT) for code in layouts.values())
-    cfg = config or fused_config(T, N, K, weight.device, quantized)
-    if cfg.block_k % BLOCK or cfg.split_k not in (1, 2) or (cfg.block_k // cfg.split_k) % BLOCK:
-        raise ValueError(f"block_k / split_k must be a multiple of {BLOCK} with split_k 1 or 2, got {cfg}")
+    cfg = config or fused_config(T, N, K, weight.device, quantized, x2.dtype)
+    if cfg.block_k % (2 * BLOCK if cfg.k_halves else BLOCK):
+        raise ValueError(f"block_k must be a multiple of {BLOCK} (of {2 * BLOCK} with k_halves), got {cfg}")
     dot_fp32 = interpreting() or x.dtype == torch.float32
     precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
     grid = (triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k),)
@@ -262,7 +267,7 @@ def fused_linear_step(
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor  # triton is imported on first launch
 
-        x_arg = TensorDescriptor.from_tensor(x2, [cfg.block_t, cfg.block_k // cfg.split_k])
+        x_arg = TensorDescriptor.from_tensor(x2, [cfg.block_t, cfg.block_k // 2 if cfg.k_halves else cfg.block_k])
         dy_arg = TensorDescriptor.from_tensor(dy2, [cfg.block_t, cfg.block_n])
     else:
         x_arg, dy_arg = x2, dy2
@@ -273,26 +278,28 @@ def fused_linear_step(
         W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
         DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
         BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-        SPLIT_K=cfg.split_k, TMA=tma,
+        K_HALVES=cfg.k_halves, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _commit_scalars(state, scalar_updates)
 
 
-SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (16-bit activations on CUDA)
+SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA)
+SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
 LINEAR_PATHS = ("auto", "fused", "slab")
 
 
 def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor,
                 state: MutableMapping[str, torch.Tensor], *, path: str = "auto", tf32: bool = False,
-                **kwargs: Any) -> None:
+                config: Optional[TileConfig] = None, slab_bytes: int = SLAB_BYTES, **kwargs: Any) -> None:
     """`fused_linear_step` or `slab_linear_step`, whichever is faster for this layer on this device.
 
-    path "auto": the slab path for 16-bit activations on CUDA from `SLAB_MIN_TOKENS` tokens, where
+    path "auto": the slab path for bf16 activations on CUDA from `SLAB_MIN_TOKENS` tokens, where
     cuBLAS's GEMM beats the fused kernel's token loop by more than the slab's extra dW traffic (an
-    L2-resident 16 MiB slab; docs/PERF.md, v3); the fused kernel otherwise. Its dW is then rounded to
-    the activations' dtype, as autograd's is; the fused kernel keeps it in fp32. "fused" / "slab"
-    force one. Other arguments as for `fused_linear_step`.
+    L2-resident 16 MiB slab; docs/PERF.md, v3); the fused kernel otherwise. The slab's dW is rounded
+    to bf16, as autograd's is, and float32 products there follow torch's matmul precision instead
+    of `tf32`; the fused kernel keeps dW in fp32. "fused" / "slab" force one. `config` goes to the
+    fused kernel, `slab_bytes` to the slab path; other arguments as for `fused_linear_step`.
     """
     if path not in LINEAR_PATHS:
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
@@ -300,15 +307,23 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
         tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         path = auto_linear_path(tokens, x.dtype, weight.device)
     if path == "slab":
-        slab_linear_step(spec, x, dy, weight, state, **kwargs)
+        slab_linear_step(spec, x, dy, weight, state, slab_bytes=slab_bytes, **kwargs)
     else:
-        fused_linear_step(spec, x, dy, weight, state, tf32=tf32, **kwargs)
+        fused_linear_step(spec, x, dy, weight, state, tf32=tf32, config=config, **kwargs)
 
 
 def auto_linear_path(tokens: int, dtype: torch.dtype, device: torch.device) -> str:
     """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`."""
-    slab = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and tokens >= SLAB_MIN_TOKENS
+    slab = device.type == "cuda" and dtype == torch.bfloat16 and tokens >= SLAB_MIN_TOKENS
     return "slab" if slab else "fused"
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """A 2-D activation [T, C] a TMA descriptor can read: T > 0, rows contiguous and not overlapping,
+    a 16-byte aligned start and row stride, and rows of at least 16 bytes."""
+    size = t.element_size()
+    return (t.dim() == 2 and t.shape[0] > 0 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
+            and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0 and t.shape[1] * size >= 16)
 
 
 def tma_compatible(t: torch.Tensor) -> bool:
@@ -328,7 +343,7 @@ def slab_linear_step(
     step: int,
     seed: int = 0,
     rounding: str = "stochastic",
-    slab_bytes: int = 16 * 2**20,
+    slab_bytes: int = SLAB_BYTES,
     **hypers: Any,
 ) -> None:
     """The update of `fused_linear_step`, with dW computed by cuBLAS one slab of rows at a time.

@@ -4,7 +4,8 @@ The Triton interpreter accepts code that the GPU compiler rejects, and it says n
 registers. This compiles the real thing ahead of time with Triton's bundled ptxas and reports
 what decides the speed of a fused kernel: registers per thread (≤ 255; beyond, the compiler
 spills to local memory, `stack_bytes` > 0), shared memory per program, and how the global
-memory is accessed (16-byte vector loads, `cp.async` pipelining of the token loop).
+memory is accessed (16-byte vector loads; the token loop's asynchronous copies: TMA
+`cp.async.bulk.tensor`, or `cp.async` for plain loads).
 
     python -m forge_dsl.kernels.sm90 adamw --layout bf16 --config 64,64,64,4,4
     python -m forge_dsl.kernels.sm90 --all          (every spec, default configs)
@@ -53,11 +54,12 @@ class Resources:
 
 
 def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileConfig] = None, T: int = 2048,
-                  **hypers) -> Resources:
-    """Compile the fused kernel of `spec` (bf16 weights and activations, stochastic rounding) for sm_90.
+                  activations: str = "bf16", **hypers) -> Resources:
+    """Compile the fused kernel of `spec` (bf16 weights, stochastic rounding) for sm_90, for a 4096² layer.
 
     `hypers` pick the variant (flags) as `fused_linear_step` would; `config` defaults to
-    `fused_config` for T tokens on a CUDA device.
+    `fused_config` for T tokens on a CUDA device. `activations`: "bf16", or "fp32" / "tf32" for
+    float32 activations with exact or TF32 products.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -69,20 +71,24 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     fused, _, names, exports, _ = _variant(spec, hypers, 1, state)
     _, layouts = _prepare_state(spec, names, state, weight)
     quantized = any(code in (StateLayout.INT8, StateLayout.UINT8_SQRT) for code in layouts.values())
-    cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), quantized)
-    constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": False, "INPUT_PRECISION": None,
+    fp32 = activations in ("fp32", "tf32")
+    cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), quantized,
+                                 torch.float32 if fp32 else torch.bfloat16)
+    act = "fp32" if fp32 else "bf16"
+    precision = {"fp32": "ieee", "tf32": "tf32"}.get(activations)
+    constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
                   "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
-                  "SPLIT_K": cfg.split_k, "TMA": cfg.tma, "stride_xk": 1, "stride_dyn": 1, **layouts}
+                  "K_HALVES": cfg.k_halves, "TMA": cfg.tma, "stride_xk": 1, "stride_dyn": 1, **layouts}
     export_values = dict(zip([a for a in fused.arg_names if a.startswith("h_")], exports))
     signature = {}
     for arg in fused.arg_names:
         if arg in constexprs:
             signature[arg] = "constexpr"
         elif arg in ("X", "DY") and cfg.tma:
-            block = [cfg.block_t, cfg.block_k // cfg.split_k if arg == "X" else cfg.block_n]
-            signature[arg] = f"tensordesc<bf16{block}>"
+            block = [cfg.block_t, (cfg.block_k // 2 if cfg.k_halves else cfg.block_k) if arg == "X" else cfg.block_n]
+            signature[arg] = f"tensordesc<{act}{block}>"
         elif arg in ("X", "DY"):
-            signature[arg] = "*bf16"
+            signature[arg] = f"*{act}"
         elif arg == "W":
             signature[arg] = "*i16"
         elif arg.startswith("S_"):
@@ -118,13 +124,15 @@ def main(argv=None) -> None:
     ap.add_argument("spec", nargs="?", default="adamw", help="built-in name or .fopt path (default adamw)")
     ap.add_argument("--all", action="store_true", help="every built-in spec")
     ap.add_argument("--layout", default="bf16", help="state layout: fp32, bf16 or int8 (default bf16)")
-    ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES[,SPLIT_K[,TMA]] (default: fused_config for --tokens)")
+    ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]] (default: fused_config for --tokens)")
     ap.add_argument("--tokens", type=int, default=2048, help="T for the default config (default 2048)")
+    ap.add_argument("--activations", choices=("bf16", "fp32", "tf32"), default="bf16",
+                    help="bf16, or float32 with exact (fp32) or TF32 products (default bf16)")
     args = ap.parse_args(argv)
     config = TileConfig.parse(args.config) if args.config else None
     for name in builtin_names() if args.all else [args.spec]:
         hypers = {"momentum": 0.9} if load_spec(name).name == "sgd_momentum" else {}
-        print(f"{name:>13} {args.layout:>5}: {compile_fused(name, args.layout, config, args.tokens, **hypers)}")
+        print(f"{name:>13} {args.layout:>5}: {compile_fused(name, args.layout, config, args.tokens, args.activations, **hypers)}")
 
 
 if __name__ == "__main__":
