@@ -683,8 +683,9 @@ class _Bounds:
                 return min(args[0][0], args[1][0]), min(args[0][1], args[1][1])
             if f == "max":
                 return max(args[0][0], args[1][0]), max(args[0][1], args[1][1])
-            if f == "clamp":
-                return max(min(args[0][0], args[2][0]), args[1][0]), min(max(args[0][1], args[1][1]), args[2][1])
+            if f == "clamp":  # min(max(x, lo), hi), also when lo > hi (then every value is hi)
+                (x_lo, x_hi), (lo_lo, lo_hi), (hi_lo, hi_hi) = args
+                return min(max(x_lo, lo_lo), hi_lo), min(max(x_hi, lo_hi), hi_hi)
             if f == "where":
                 cond = e.args[0]
                 try:
