@@ -324,8 +324,8 @@ def add_ratios(row: dict) -> None:
 
 
 def warm_up(device: torch.device, seconds: float = 1.0) -> None:
-    """Keep the GPU busy for a moment before the first timing: an idle H200 starts at low clocks, and the first
-    row measured 2× slow without this (docs/PERF.md, v3)."""
+    """Keep the GPU busy for a moment before the first timing, so that it does not start at idle clocks
+    (a precaution: the 2× slow first rows of docs/PERF.md v3 came from a busy host, not from this)."""
     if device.type != "cuda":
         return
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
