@@ -436,10 +436,12 @@ def test_slab_rows_are_whole_aligned_rows_within_the_budget():
 
 def test_auto_linear_path():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert launch.auto_linear_path(8192, torch.bfloat16, cuda) == "slab"
-    assert launch.auto_linear_path(4096, torch.bfloat16, cuda) == "fused"
-    assert launch.auto_linear_path(8192, torch.float32, cuda) == "fused"  # fp32: the fused kernel's exact product
-    assert launch.auto_linear_path(8192, torch.bfloat16, cpu) == "fused"
+    big = 4096 * 4096
+    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda) == "slab"
+    assert launch.auto_linear_path(4096, big, torch.bfloat16, cuda) == "fused"
+    assert launch.auto_linear_path(8192, 1024 * 4096, torch.bfloat16, cuda) == "fused"  # k/v: not measured faster
+    assert launch.auto_linear_path(8192, big, torch.float32, cuda) == "fused"  # fp32: the fused kernel's exact product
+    assert launch.auto_linear_path(8192, big, torch.bfloat16, cpu) == "fused"
     w, x, dy = make_problem(12, torch.float32)
     with pytest.raises(ValueError, match="path must be one of auto, fused, slab, got 'gemm'"):
         kernels.linear_step("adamw", x, dy, w, forge_dsl.init_state("adamw", w), step=1, path="gemm")

@@ -284,7 +284,8 @@ def fused_linear_step(
     _commit_scalars(state, scalar_updates)
 
 
-SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA)
+SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA) ...
+SLAB_MIN_ELEMENTS = 2**24  # ... for layers this large (on k/v, 1024 × 4096, two runs disagreed)
 SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
 LINEAR_PATHS = ("auto", "fused", "slab")
 
@@ -294,7 +295,8 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
                 config: Optional[TileConfig] = None, slab_bytes: int = SLAB_BYTES, **kwargs: Any) -> None:
     """`fused_linear_step` or `slab_linear_step`, whichever is faster for this layer on this device.
 
-    path "auto": the slab path for bf16 activations on CUDA from `SLAB_MIN_TOKENS` tokens, where
+    path "auto": the slab path for bf16 activations on CUDA from `SLAB_MIN_TOKENS` tokens and layers
+    of `SLAB_MIN_ELEMENTS`, where
     cuBLAS's GEMM beats the fused kernel's token loop by more than the slab's extra dW traffic (an
     L2-resident 16 MiB slab; docs/PERF.md, v3); the fused kernel otherwise. The slab's dW is rounded
     to bf16, as autograd's is, and float32 products there follow torch's matmul precision instead
@@ -305,16 +307,18 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
     if path == "auto":
         tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        path = auto_linear_path(tokens, x.dtype, weight.device)
+        path = auto_linear_path(tokens, weight.numel(), x.dtype, weight.device)
     if path == "slab":
         slab_linear_step(spec, x, dy, weight, state, slab_bytes=slab_bytes, **kwargs)
     else:
         fused_linear_step(spec, x, dy, weight, state, tf32=tf32, config=config, **kwargs)
 
 
-def auto_linear_path(tokens: int, dtype: torch.dtype, device: torch.device) -> str:
-    """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`."""
-    slab = device.type == "cuda" and dtype == torch.bfloat16 and tokens >= SLAB_MIN_TOKENS
+def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: torch.device) -> str:
+    """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`
+    and a weight of `elements` elements."""
+    slab = (device.type == "cuda" and dtype == torch.bfloat16 and tokens >= SLAB_MIN_TOKENS
+            and elements >= SLAB_MIN_ELEMENTS)
     return "slab" if slab else "fused"
 
 
