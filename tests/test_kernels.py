@@ -318,6 +318,7 @@ def test_strided_activations_and_leading_dims(config):
     x3 = x.reshape(4, 10, K)
     xt = x.T.contiguous().T  # same values, column-major strides
     assert launch.tma_compatible(x) and not launch.tma_compatible(xt)
+    assert not launch.tma_compatible(x[:1].expand(40, K))  # overlapping rows (stride 0)
     kernels.fused_linear_step("adamw", x3, dy.reshape(4, 10, N), w, st1, step=1, config=config)
     kernels.fused_linear_step("adamw", xt, dy, ref_w, st2, step=1, config=config)
     assert rel_err(w, ref_w) <= 1e-6

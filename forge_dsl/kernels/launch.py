@@ -330,13 +330,6 @@ def tma_compatible(t: torch.Tensor) -> bool:
             and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0 and t.shape[1] * size >= 16)
 
 
-def tma_compatible(t: torch.Tensor) -> bool:
-    """A 2-D activation a TMA descriptor can read: some rows, rows contiguous, 16-byte aligned start and row stride."""
-    size = t.element_size()
-    return (t.dim() == 2 and t.shape[0] > 0 and t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0
-            and t.data_ptr() % 16 == 0 and (t.shape[1] * size) >= 16)
-
-
 def slab_linear_step(
     spec: SpecLike,
     x: torch.Tensor,
