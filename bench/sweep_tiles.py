@@ -24,17 +24,17 @@ from forge_dsl.kernels import TileConfig, launch
 # programs that load the next tile a whole tile ahead; an L2 prefetch of W and state: slower or no faster, removed).
 CONFIGS = [
     TileConfig(64, 64, 64, 8, 4, 4),  # v2 default up to 4096 tokens (bf16 and fp32 state)
-    TileConfig(64, 64, 64, 8, 4, 4, 1, True),
+    TileConfig(64, 64, 64, 8, 4, 4, tma=True),
     TileConfig(128, 64, 64, 8, 4, 3),  # v2 default up to 4096 tokens with int8 state
-    TileConfig(128, 64, 64, 8, 4, 3, 1, True),
+    TileConfig(128, 64, 64, 8, 4, 3, tma=True),
     TileConfig(64, 128, 128, 8, 8, 4),  # v2 default above 4096 tokens (255 registers, spills)
-    TileConfig(64, 128, 128, 8, 8, 4, 1, True),
-    TileConfig(64, 128, 128, 8, 8, 4, True, False),  # halves: 181 registers, no spills
-    TileConfig(64, 128, 128, 8, 8, 4, True, True),
-    TileConfig(64, 128, 128, 8, 8, 3, True, True),
-    TileConfig(128, 128, 128, 8, 8, 3, True, True),
-    TileConfig(64, 64, 128, 8, 8, 4, True, True),  # halves: 127 registers, two programs per SM
-    TileConfig(64, 64, 128, 8, 8, 3, True, True),
+    TileConfig(64, 128, 128, 8, 8, 4, tma=True),
+    TileConfig(64, 128, 128, 8, 8, 4, k_halves=True),  # halves: 181 registers, no spills
+    TileConfig(64, 128, 128, 8, 8, 4, k_halves=True, tma=True),
+    TileConfig(64, 128, 128, 8, 8, 3, k_halves=True, tma=True),
+    TileConfig(128, 128, 128, 8, 8, 3, k_halves=True, tma=True),
+    TileConfig(64, 64, 128, 8, 8, 4, k_halves=True, tma=True),  # halves: 127 registers, two programs per SM
+    TileConfig(64, 64, 128, 8, 8, 3, k_halves=True, tma=True),
 ]
 # (BLOCK_N, BLOCK_K, num_warps) of the element-wise kernel; launch.step_config picks one by shape.
 STEP_CONFIGS = [(16, 256, 8), (16, 256, 4), (8, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4),
@@ -110,7 +110,7 @@ def print_table(rows):
         c = r["config"]
         if isinstance(c, dict):
             c = (f"BT{c['block_t']} {c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
-                 f"{' halves' if c.get('k_halves', c.get('split_k') == 2) else ''}{' TMA' if c.get('tma') else ''}")
+                 f"{' halves' if c.get('k_halves') else ''}{' TMA' if c.get('tma') else ''}")
         print(f"{r['kind']:>5} {r['spec']:>8} {r['layout']:>6} {str(r['N']) + 'x' + str(r['K']):>11} "
               f"{r.get('T', ''):>5}  {str(c):<52} {r['ms']:>8.3f}")
 
