@@ -183,12 +183,12 @@ def test_every_flag_combination(name, combo):
 
 # The fused kernel's other epilogue: the tile accumulated and updated as two column halves, with the
 # activations read through TMA descriptors; 32-token blocks, so T = 40 takes two, the second ragged.
-SPLIT_CONFIG = kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, k_halves=True, tma=True)
+HALVES_CONFIG = kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, k_halves=True, tma=True)
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
 @pytest.mark.parametrize("layout", ["fp32", "bf16", "int8", "mixed"])
-@pytest.mark.parametrize("fused", [True, "split", False, "slab"], ids=["fused", "split", "step", "slab"])
+@pytest.mark.parametrize("fused", [True, "halves", False, "slab"], ids=["fused", "halves", "step", "slab"])
 @pytest.mark.parametrize("name", SPECS)
 def test_layouts(name, fused, layout, w_dtype):
     spec = forge_dsl.load_spec(name)
@@ -208,7 +208,7 @@ def test_layouts(name, fused, layout, w_dtype):
             slab_bytes = 20 * 136 * x.element_size()
             kernels.slab_linear_step(spec, x, dy, w, state, step=step, seed=7, slab_bytes=slab_bytes, **kw)
         elif fused:
-            config = SPLIT_CONFIG if fused == "split" else None
+            config = HALVES_CONFIG if fused == "halves" else None
             kernels.fused_linear_step(spec, x, dy, w, state, step=step, seed=7, config=config, **kw)
         else:
             kernels.step(spec, w, dw.float().to(DEVICE), state, step=step, seed=7, **kw)
@@ -272,7 +272,7 @@ def test_stochastic_rounding_depends_on_seed_step_and_index_only():
     g = torch.randn(72, 136, device=DEVICE)
     outs = []
     for config in [kernels.TileConfig(64, 64, 64, num_warps=4, num_stages=1),
-                   kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1), SPLIT_CONFIG]:
+                   kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1), HALVES_CONFIG]:
         w = w0.clone()
         st = forge_dsl.init_state("sgd", w, layout="fp32")
         x = torch.eye(136, device=DEVICE, dtype=torch.bfloat16)[:64]  # T=64 tokens
@@ -308,7 +308,7 @@ def test_zero_tokens_is_a_zero_gradient_step(name):
     assert not torch.equal(w.double().cpu(), make_problem(4, torch.float32)[0].double().cpu())  # decay acted
 
 
-@pytest.mark.parametrize("config", [None, SPLIT_CONFIG], ids=["default", "split_tma"])
+@pytest.mark.parametrize("config", [None, HALVES_CONFIG], ids=["default", "halves_tma"])
 def test_strided_activations_and_leading_dims(config):
     """Leading dims are flattened; column-major activations (no TMA descriptor possible) take the pointer path."""
     w, x, dy = make_problem(5, torch.float32)

@@ -86,8 +86,6 @@ TORCH_STEPS = {
 }
 
 
-
-
 def hypers_for(spec_name: str) -> dict:
     """The keywords every method of one spec runs with (the same for ours and torch's)."""
     return {"lr": 1e-4, **({"momentum": 0.9} if spec_name == "sgd_momentum" else {})}

@@ -91,10 +91,8 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     if activations == torch.float32:
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4)
     tma = N * K >= 2**24
-    if quantized:
-        if T <= 4096:
-            return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3, tma=tma)
-        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=tma)
+    if quantized and T <= 4096:
+        return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3, tma=tma)
     if T <= 1024:
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4, tma=tma)
     if T <= 4096:
@@ -164,6 +162,11 @@ def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torc
         args += [storage, scale]
         layouts[f"LAYOUT_{name}"] = int(layout)
     return args, layouts
+
+
+def is_quantized(layouts: dict) -> bool:
+    """Whether any state (`LAYOUT_<name>` → layout code, as from `_prepare_state`) is int8 / uint8 quantized."""
+    return any(code in (StateLayout.INT8, StateLayout.UINT8_SQRT) for code in layouts.values())
 
 
 def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
@@ -256,8 +259,7 @@ def fused_linear_step(
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
-    quantized = any(code in (StateLayout.INT8, StateLayout.UINT8_SQRT) for code in layouts.values())
-    cfg = config or fused_config(T, N, K, weight.device, quantized, x2.dtype)
+    cfg = config or fused_config(T, N, K, weight.device, is_quantized(layouts), x2.dtype)
     if cfg.block_k % (2 * BLOCK if cfg.k_halves else BLOCK):
         raise ValueError(f"block_k must be a multiple of {BLOCK} (of {2 * BLOCK} with k_halves), got {cfg}")
     dot_fp32 = interpreting() or x.dtype == torch.float32
@@ -296,9 +298,8 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
     """`fused_linear_step` or `slab_linear_step`, whichever is faster for this layer on this device.
 
     path "auto": the slab path for bf16 activations on CUDA from `SLAB_MIN_TOKENS` tokens and layers
-    of `SLAB_MIN_ELEMENTS`, where
-    cuBLAS's GEMM beats the fused kernel's token loop by more than the slab's extra dW traffic (an
-    L2-resident 16 MiB slab; docs/PERF.md, v3); the fused kernel otherwise. The slab's dW is rounded
+    of `SLAB_MIN_ELEMENTS`, where cuBLAS's GEMM beats the fused kernel's token loop by more than the
+    slab's extra dW traffic (an L2-resident 16 MiB slab; docs/PERF.md, v3); the fused kernel otherwise. The slab's dW is rounded
     to bf16, as autograd's is, and float32 products there follow torch's matmul precision instead
     of `tf32`; the fused kernel keeps dW in fp32. "fused" / "slab" force one. `config` goes to the
     fused kernel, `slab_bytes` to the slab path; other arguments as for `fused_linear_step`.

@@ -28,7 +28,7 @@ import torch
 
 from ..api import SpecLike, builtin_names, init_state, load_spec
 from ..layouts import StateLayout
-from .launch import TileConfig, _prepare_state, _variant, fused_config
+from .launch import TileConfig, _prepare_state, _variant, fused_config, is_quantized
 
 __all__ = ["Resources", "compile_fused", "main"]
 
@@ -70,9 +70,8 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     state = init_state(spec, weight, layout=layout, **hypers)
     fused, _, names, exports, _ = _variant(spec, hypers, 1, state)
     _, layouts = _prepare_state(spec, names, state, weight)
-    quantized = any(code in (StateLayout.INT8, StateLayout.UINT8_SQRT) for code in layouts.values())
     fp32 = activations in ("fp32", "tf32")
-    cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), quantized,
+    cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), is_quantized(layouts),
                                  torch.float32 if fp32 else torch.bfloat16)
     act = "fp32" if fp32 else "bf16"
     precision = {"fp32": "ieee", "tf32": "tf32"}.get(activations)

@@ -232,8 +232,9 @@ def accumulate_dw_halves(X, DY, n_start, k_start, T, N, K, stride_xt, stride_xk,
     """`accumulate_dw` for a [BLOCK_N, 2·HALF_K] tile, kept as its two column halves.
 
     Returns (acc0, acc1), each [BLOCK_N, HALF_K] fp32: columns k_start + [0, HALF_K) and
-    k_start + [HALF_K, 2·HALF_K). The same products as `accumulate_dw` (one ΔY block, two dots), so an epilogue can run on one half while the other waits,
-    needing half the registers of a whole-tile epilogue. With TMA, X's blocks are [BLOCK_T, HALF_K].
+    k_start + [HALF_K, 2·HALF_K). The same products as `accumulate_dw` (one ΔY block, two dots),
+    so an epilogue can run on one half while the other waits, needing half the registers of a
+    whole-tile epilogue. With TMA, X's blocks are [BLOCK_T, HALF_K].
     """
     acc0 = tl.zeros((BLOCK_N, HALF_K), dtype=tl.float32)  # [BN, BK/2]
     acc1 = tl.zeros((BLOCK_N, HALF_K), dtype=tl.float32)  # [BN, BK/2]
