@@ -19,7 +19,7 @@ import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig, launch
 
-# TileConfig(block_t, block_n, block_k, group_n, num_warps, num_stages, k_halves, tma). docs/PERF.md (v1-v3) has
+# TileConfig(block_t, block_n, block_k, group_n, num_warps, num_stages, k_halves, tma, ...). docs/PERF.md (v1-v4) has
 # the results of this list and of the lists it replaced (loading W and state after the token loop; persistent
 # programs that load the next tile a whole tile ahead; an L2 prefetch of W and state: slower or no faster, removed).
 CONFIGS = [
@@ -35,6 +35,8 @@ CONFIGS = [
     TileConfig(128, 128, 128, 8, 8, 3, k_halves=True, tma=True),
     TileConfig(64, 64, 128, 8, 8, 4, k_halves=True, tma=True),  # halves: 127 registers, two programs per SM
     TileConfig(64, 64, 128, 8, 8, 3, k_halves=True, tma=True),
+    # v4 default from 1025 tokens: the whole tile accumulated, its epilogue in quarter slices, two programs per SM
+    TileConfig(64, 128, 128, 8, 8, 3, tma=True, epilogue_split=4, maxnreg=128),
 ]
 # (BLOCK_N, BLOCK_K, num_warps) of the element-wise kernel; launch.step_config picks one by shape.
 STEP_CONFIGS = [(16, 256, 8), (16, 256, 4), (8, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4),
@@ -110,7 +112,9 @@ def print_table(rows):
         c = r["config"]
         if isinstance(c, dict):
             c = (f"BT{c['block_t']} {c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
-                 f"{' halves' if c.get('k_halves') else ''}{' TMA' if c.get('tma') else ''}")
+                 f"{' halves' if c.get('k_halves') else ''}{' TMA' if c.get('tma') else ''}"
+                 f"{' split=' + str(c['epilogue_split']) if c.get('epilogue_split', 1) > 1 else ''}"
+                 f"{' ≤' + str(c['maxnreg']) + ' regs' if c.get('maxnreg') else ''}")
         print(f"{r['kind']:>5} {r['spec']:>8} {r['layout']:>6} {str(r['N']) + 'x' + str(r['K']):>11} "
               f"{r.get('T', ''):>5}  {str(c):<52} {r['ms']:>8.3f}")
 
@@ -150,7 +154,8 @@ def main(argv=None):
     if best is not None:
         print("best fused config over all cases (geometric mean): --config "
               f"{best['block_t']},{best['block_n']},{best['block_k']},{best['num_warps']},{best['num_stages']},"
-              f"{int(best['k_halves'])},{int(best['tma'])}")
+              f"{int(best['k_halves'])},{int(best['tma'])},split={best['epilogue_split']}"
+              f"{',maxnreg=' + str(best['maxnreg']) if best['maxnreg'] else ''}")
 
 
 if __name__ == "__main__":

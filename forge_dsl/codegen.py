@@ -230,10 +230,10 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     return {
         "raw": raw,
         "load_args": load_args("W", " " * 12),
-        "load_args_half": load_args("W", " " * 12, "HALF_K"),
+        "load_args_slice": load_args("W", " " * 16, "SLICE_K"),
         "load_args_step": load_args("P", " " * 8),
         "apply_fused": apply_args("W", "acc", " " * 12),
-        "apply_halves": [apply_args("W", f"acc{h}", " " * 12, "HALF_K") for h in (0, 1)],
+        "apply_slice": apply_args("W", "__ACC__", " " * 16, "SLICE_K"),
         "apply_step": apply_args("P", "b_grad", " " * 8),
         "index": index,
         "combo": describe_combo(low.combo) or "no flags",
@@ -256,7 +256,7 @@ def render_module(spec: ir.Spec, spec_path: str) -> str:
     """The generated module for `spec` (read from `spec_path`, a name shown in the header)."""
     variants = [_variant_data(spec, i, low) for i, low in enumerate(lower_all(spec))]
     lib_imports = ["accumulate_dw", "accumulate_dw_halves", "decode_weight", "load_weight", "load_weight_raw",
-                   "store_weight", "tile_at", "tile_offsets"]
+                   "split_columns", "store_weight", "tile_at", "tile_offsets"]
     if any(v["states"] for v in variants):
         lib_imports += ["decode_state", "load_state_raw", "store_state"]
     needs_op = any("_op(" in line.expr for v in variants for line in v["host_lines"])

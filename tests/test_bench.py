@@ -11,11 +11,15 @@ import argparse
 import copy
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import forge_dsl
 from forge_dsl.bench import kernel, model
+from forge_dsl.kernels import TileConfig
+from forge_dsl.kernels.launch import mix_seed
 from forge_dsl.bench.__main__ import main
 from forge_dsl.bench.lean_loss import InplaceCrossEntropy, causal_lm_loss_inplace
 
@@ -213,7 +217,11 @@ def test_config_option_is_a_tile_config():
     cfg = kernel.parse_config("64,128,256,8,3")
     assert (cfg.block_t, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (64, 128, 256, 8, 3)
     assert kernel.parse_config("64,128,128,8,4,1,1").k_halves and kernel.parse_config("64,128,128,8,4,1,1").tma
-    for text in ("64,64,64", "64,64,64,4,4,2"):  # too few fields; HALVES is 0 or 1
+    split = kernel.parse_config("64,128,128,8,3,0,1,split=4,maxnreg=128")
+    assert (split.k_halves, split.tma, split.epilogue_split, split.maxnreg) == (False, True, 4, 128)
+    assert kernel.parse_config("64,128,128,8,4,1,1").epilogue_split == 2
+    for text in ("64,64,64", "64,64,64,4,4,2", "64,64,64,4,4,warps=2", "64,64,64,4,4,split=4,split=2"):
+        # too few fields; HALVES is 0 or 1; unknown or repeated keywords
         with pytest.raises(argparse.ArgumentTypeError, match="five integers BT,BN,BK,WARPS,STAGES, then optionally"):
             kernel.parse_config(text)
 
@@ -237,3 +245,48 @@ def test_kernel_shapes_are_the_models_linear_layers():
             m = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**dims))
         linears = {tuple(mod.weight.shape) for mod in m.modules() if isinstance(mod, torch.nn.Linear)}
         assert {(s.N, s.K) for s in kernel.SHAPES if s.name.startswith(prefix + ".")} == linears
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _bench_script(name: str):
+    """A script of the repository's bench/ folder, imported as a module."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
+def test_anatomy_token_loop_is_the_gemm(halves):
+    """bench/anatomy.py's 'token loop' row times a real GEMM: its bf16 dW against float64 dyᵀ·x."""
+    anatomy = _bench_script("anatomy")
+    torch.manual_seed(3)
+    x = torch.randn(96, 128, dtype=torch.bfloat16, device=DEVICE)
+    dy = torch.randn(96, 72, dtype=torch.bfloat16, device=DEVICE)
+    out = torch.full((72, 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    cfg = TileConfig(64, 64, 128, num_warps=4, num_stages=1, k_halves=halves, tma=True)
+    anatomy.launch_token_loop(x, dy, out, cfg)
+    ref = dy.double().T @ x.double()
+    assert torch.allclose(out.double(), ref, rtol=2.0**-8, atol=1e-2 * ref.abs().max().item()), (out.double() - ref).abs().max()
+
+
+def test_anatomy_warp_specialized_kernel_is_the_fused_step():
+    """bench/anatomy.py's persistent warp-specialized AdamW kernel makes the same update as
+    `fused_linear_step` with the same random bits (three tiles over two programs)."""
+    anatomy = _bench_script("anatomy")
+    torch.manual_seed(4)
+    x = torch.randn(80, 128, dtype=torch.bfloat16, device=DEVICE)
+    dy = (torch.randn(80, 96, device=DEVICE) * 1e-2).to(torch.bfloat16)
+    w = (torch.randn(96, 128, device=DEVICE) * 0.02).to(torch.bfloat16)
+    state = forge_dsl.init_state("adamw", w, layout="bf16")
+    forge_dsl.kernels.step("adamw", w, torch.randn(96, 128, device=DEVICE) * 1e-2, state, step=1, lr=1e-3)
+    w2, state2 = w.clone(), {k: v.clone() for k, v in state.items()}
+    anatomy.launch_adamw_ws(x, dy, w, state, (64, 64, 64, 4, 1), seed=mix_seed(7, 1), programs=2)
+    forge_dsl.kernels.fused_linear_step("adamw", x, dy, w2, state2, step=1, seed=7, lr=1e-4,
+                                        config=TileConfig(64, 64, 64, num_warps=4, num_stages=1))
+    assert not torch.equal(w, w2.new_zeros(w2.shape))
+    for got, ref in ((w, w2), (state["exp_avg"], state2["exp_avg"]), (state["exp_avg_sq"], state2["exp_avg_sq"])):
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))

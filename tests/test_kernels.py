@@ -181,14 +181,18 @@ def test_every_flag_combination(name, combo):
 # ----------------------------------------------------------------------------
 
 
-# The fused kernel's other epilogue: the tile accumulated and updated as two column halves, with the
-# activations read through TMA descriptors; 32-token blocks, so T = 40 takes two, the second ragged.
+# The fused kernel's other epilogues, with the activations read through TMA descriptors and 32-token
+# blocks (T = 40 takes two, the second ragged): the tile accumulated as two column halves and updated
+# one half at a time; the whole tile accumulated, split in registers and updated a quarter at a time
+# (int8 state: a half, its slices must hold whole 64-element scale blocks).
 HALVES_CONFIG = kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, k_halves=True, tma=True)
+SPLIT_CONFIGS = {q: kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, tma=True, epilogue_split=2 if q else 4)
+                 for q in (False, True)}
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
 @pytest.mark.parametrize("layout", ["fp32", "bf16", "int8", "mixed"])
-@pytest.mark.parametrize("fused", [True, "halves", False, "slab"], ids=["fused", "halves", "step", "slab"])
+@pytest.mark.parametrize("fused", [True, "halves", "split", False, "slab"], ids=["fused", "halves", "split", "step", "slab"])
 @pytest.mark.parametrize("name", SPECS)
 def test_layouts(name, fused, layout, w_dtype):
     spec = forge_dsl.load_spec(name)
@@ -208,7 +212,7 @@ def test_layouts(name, fused, layout, w_dtype):
             slab_bytes = 20 * 136 * x.element_size()
             kernels.slab_linear_step(spec, x, dy, w, state, step=step, seed=7, slab_bytes=slab_bytes, **kw)
         elif fused:
-            config = HALVES_CONFIG if fused == "halves" else None
+            config = {"halves": HALVES_CONFIG, "split": SPLIT_CONFIGS[layout in ("int8", "mixed")]}.get(fused)
             kernels.fused_linear_step(spec, x, dy, w, state, step=step, seed=7, config=config, **kw)
         else:
             kernels.step(spec, w, dw.float().to(DEVICE), state, step=step, seed=7, **kw)
@@ -272,7 +276,7 @@ def test_stochastic_rounding_depends_on_seed_step_and_index_only():
     g = torch.randn(72, 136, device=DEVICE)
     outs = []
     for config in [kernels.TileConfig(64, 64, 64, num_warps=4, num_stages=1),
-                   kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1), HALVES_CONFIG]:
+                   kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1), HALVES_CONFIG, *SPLIT_CONFIGS.values()]:
         w = w0.clone()
         st = forge_dsl.init_state("sgd", w, layout="fp32")
         x = torch.eye(136, device=DEVICE, dtype=torch.bfloat16)[:64]  # T=64 tokens
@@ -290,6 +294,50 @@ def test_stochastic_rounding_depends_on_seed_step_and_index_only():
 # ----------------------------------------------------------------------------
 # Shapes, zero tokens, strides, errors
 # ----------------------------------------------------------------------------
+
+
+def test_tile_configs_are_validated():
+    assert kernels.TileConfig(64, 128, 128, k_halves=True).epilogue_split == 2  # halves: one slice per half
+    assert kernels.TileConfig(64, 128, 128).epilogue_split == 1
+    for bad, message in ((dict(k_halves=True, epilogue_split=1), "k_halves accumulates two column halves"),
+                         (dict(epilogue_split=3), "epilogue_split must be 1, 2 or 4"),
+                         (dict(maxnreg=300), r"maxnreg must be in \[24, 255\]")):
+        with pytest.raises(ValueError, match=message):
+            kernels.TileConfig(64, 128, 128, **bad)
+    w, x, dy = make_problem(4, torch.bfloat16)
+    for layout, config, message in (
+            ("int8", kernels.TileConfig(32, 64, 128, epilogue_split=4), "a multiple of 64 for int8 state"),
+            ("bf16", kernels.TileConfig(32, 64, 256, epilogue_split=4, num_stages=1), None),  # 64-wide slices: fine
+            ("bf16", kernels.TileConfig(32, 64, 96), "block_k must be a power of two"),
+            ("bf16", kernels.TileConfig(8, 64, 64), "block_t must be a power of two ≥ 16")):
+        state = forge_dsl.init_state("adamw", w, layout=layout)
+        if message is None:
+            kernels.fused_linear_step("adamw", x, dy, w, state, step=1, config=config)
+            continue
+        before = w.clone()
+        with pytest.raises(ValueError, match=message):
+            kernels.fused_linear_step("adamw", x, dy, w, state, step=1, config=config)
+        assert torch.equal(w, before)  # refused before any launch
+
+
+def test_default_tile_configs_on_the_h200():
+    """docs/PERF.md, v4: 128×128 tiles with a quarter-slice epilogue in 128 registers, except 64×64 tiles
+    up to 1024 tokens on layers of 2^24 elements and more or under 2^22; int8 state and float32 activations
+    keep their own tiles."""
+    cuda = torch.device("cuda")
+    split = launch.fused_config(2048, 4096, 4096, cuda)
+    assert (split.block_n, split.block_k, split.epilogue_split, split.maxnreg, split.tma) == (128, 128, 4, 128, True)
+    assert launch.fused_config(512, 1024, 4096, cuda) == split  # k/v: 256 tiles of 128×128
+    assert launch.fused_config(8192, 14336, 4096, cuda) == split
+    for small in (launch.fused_config(512, 4096, 4096, cuda), launch.fused_config(1024, 512, 512, cuda)):
+        assert (small.block_n, small.block_k, small.epilogue_split, small.maxnreg) == (64, 64, 1, None)
+    int8 = launch.fused_config(2048, 4096, 4096, cuda, quantized=True)
+    assert int8.epilogue_split == 1 and int8.block_t == 128
+    assert launch.fused_config(2048, 4096, 4096, cuda, activations=torch.float32).block_k == 64
+    for T in (1, 512, 2048, 8192):
+        for n, k in ((4096, 4096), (1024, 4096), (128256, 4096), (64, 64)):
+            for quantized in (False, True):
+                launch.check_config(launch.fused_config(T, n, k, cuda, quantized), quantized)
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "lion"])
@@ -405,14 +453,16 @@ def test_large_shape_against_cublas(w_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["bf16", "int8"])
 @pytest.mark.parametrize("t", [512, 2048, 8192])
-def test_default_configs_on_a_4096_square_layer(t, layout):
-    """Each H200 default config (64×64 / halves / whole 128×128 tiles, TMA, int8-state tiles) at a
-    Llama-sized layer: the fused step against the element-wise step on cuBLAS's fp32 dW, from the same
-    bf16 weights and state. Both quantize and round with the same code, so the two differ only where
-    the two dW sums (different fp32 orders) straddle a rounding boundary."""
-    n = k = 4096
+@pytest.mark.parametrize("n", [4096, 1024])
+def test_default_configs_on_llama_sized_layers(n, t, layout):
+    """Each H200 default config (64×64 tiles, 128×128 tiles with a quarter-slice epilogue in 128
+    registers, TMA, the int8-state tiles) at Llama-sized layers (q/o 4096², k/v 1024×4096): the fused
+    step against the element-wise step on cuBLAS's fp32 dW, from the same bf16 weights and state. Both
+    quantize and round with the same code, so the two differ only where the two dW sums (different
+    fp32 orders) straddle a rounding boundary."""
+    k = 4096
     spec = forge_dsl.load_spec("adamw")
-    w, x, dy = make_problem(10 + t, torch.bfloat16, n=n, k=k, t=t)
+    w, x, dy = make_problem(10 + t + n, torch.bfloat16, n=n, k=k, t=t)
     state = forge_dsl.init_state(spec, w, layout=layout)
     kernels.step(spec, w, torch.randn(n, k, device=DEVICE) * 1e-2, state, step=1, lr=1e-3)  # a non-zero state
     w2, state2 = w.clone(), {name: v.clone() for name, v in state.items()}

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump"
                                 reason="this Triton has no bundled NVIDIA tools")
 
 # (spec, state layout, hypers, config, activations): config None is the default at 2048 tokens for a
-# 4096² layer (halves, TMA for bf16 activations); the others are the 512-token default, the plain-load
+# 4096² layer (128×128 tiles, a quarter-slice epilogue in at most 128 registers, TMA, for bf16
+# activations and state; the int8-state tiles); the others are the 512-token default, the plain-load
 # token loop of small layers, and float32 activations (exact and TF32 products).
 CASES = [(name, layout, {"momentum": 0.9} if name == "sgd_momentum" else {}, None, "bf16")
          for name in forge_dsl.builtin_names() for layout in ("bf16", "int8")]
@@ -48,6 +49,14 @@ print(json.dumps([asdict(compile_fused(name, layout, TileConfig.parse(config) if
 """
 
 
+def _default_config(layout, activations):
+    import torch
+
+    from forge_dsl.kernels.launch import fused_config
+    return fused_config(2048, 4096, 4096, torch.device("cuda"), layout == "int8",
+                        torch.float32 if activations != "bf16" else torch.bfloat16)
+
+
 @pytest.fixture(scope="module")
 def resources():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
@@ -59,11 +68,14 @@ def resources():
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{n}-{l}-{h}-{c}-{a}" for n, l, h, c, a in CASES])
 def test_fused_kernel_compiles_for_sm90_without_spills(resources, index):
-    """The configs up to 4096 tokens: no spills, a pipelined token loop (asynchronous copies: TMA, or
-    cp.async for plain loads), 16-byte W and state access."""
+    """The configs up to 4096 tokens: no spills (under a 128-register cap, a few words at most, which
+    Triton versions place differently: NAdam 16 B and centered RMSprop with momentum 56 B with 3.9,
+    none with 3.6; AdamW with amsgrad 72 B with 3.6), a pipelined token loop (asynchronous copies:
+    TMA, or cp.async for plain loads), 16-byte W and state access."""
     name, layout, hypers, config, activations = CASES[index]
     res = resources[index]
-    assert res["stack_bytes"] == 0, f"{CASES[index]} spills: {res}"
+    cfg = TileConfig.parse(config) if config else _default_config(layout, activations)
+    assert res["stack_bytes"] <= (96 if cfg.maxnreg else 0), f"{CASES[index]} spills: {res}"
     assert res["registers"] <= 255
     assert res["shared_bytes"] <= SHARED_MEMORY_PER_PROGRAM, f"{CASES[index]} cannot launch: {res}"
     ops = res["memory_ops"]

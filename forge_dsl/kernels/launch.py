@@ -47,23 +47,47 @@ class TileConfig:
     group_n: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    k_halves: bool = False  # accumulate and update the tile as two column halves (see the fused kernel)
+    k_halves: bool = False  # accumulate the tile as two column halves (two dots per token block)
     tma: bool = False  # read the activations with Hopper TMA copies where their layout allows it
+    # the epilogue runs on 1, 2 or 4 column slices of the tile, one at a time (default: 2 with k_halves, else 1)
+    epilogue_split: Optional[int] = None
+    maxnreg: Optional[int] = None  # cap on registers per thread (more programs per SM; the rest spills)
+
+    def __post_init__(self):
+        if self.epilogue_split is None:
+            object.__setattr__(self, "epilogue_split", 2 if self.k_halves else 1)
+        if self.epilogue_split not in (1, 2, 4):
+            raise ValueError(f"epilogue_split must be 1, 2 or 4, got {self.epilogue_split}")
+        if self.k_halves and self.epilogue_split == 1:
+            raise ValueError("k_halves accumulates two column halves: give it epilogue_split=2 or 4")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"maxnreg must be in [24, 255] registers per thread, got {self.maxnreg}")
 
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
-        """'64,128,128,8,3[,HALVES[,TMA]]' (HALVES and TMA 0 or 1) → TileConfig(block_t=64, block_n=128,
-        block_k=128, num_warps=8, num_stages=3, k_halves=False, tma=False)."""
+        """'BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R]' → a TileConfig; HALVES and TMA are 0 or
+        1, S 1, 2 or 4 (2 when HALVES is 1 and no split is given), R registers per thread.
+        '64,128,128,8,3,0,1,split=4,maxnreg=128' → TileConfig(64, 128, 128, num_warps=8, num_stages=3, tma=True,
+        epilogue_split=4, maxnreg=128)."""
+        keywords = {}
         try:
-            values = [int(v) for v in text.split(",")]
+            tokens = text.split(",")
+            values = [int(v) for v in tokens if "=" not in v]
+            for token in (t for t in tokens if "=" in t):
+                key, value = token.split("=")
+                if key.strip() not in ("split", "maxnreg") or key.strip() in keywords:
+                    raise ValueError
+                keywords[key.strip()] = int(value)
             if len(values) not in (5, 6, 7) or any(v not in (0, 1) for v in values[5:]):
                 raise ValueError
         except ValueError:
             raise ValueError("a tile config is five integers BT,BN,BK,WARPS,STAGES, then optionally HALVES and TMA "
-                             f"(0 or 1), got {text!r}") from None
+                             f"(0 or 1), split=1|2|4 and maxnreg=REGISTERS, got {text!r}") from None
         bt, bn, bk, warps, stages, *rest = values
-        return cls(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                   k_halves=bool(rest[0]) if rest else False, tma=bool(rest[1]) if len(rest) > 1 else False)
+        halves = bool(rest[0]) if rest else False
+        return cls(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, k_halves=halves,
+                   tma=bool(rest[1]) if len(rest) > 1 else False, epilogue_split=keywords.get("split"),
+                   maxnreg=keywords.get("maxnreg"))
 
 
 def interpreting() -> bool:
@@ -74,31 +98,47 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
                  activations: torch.dtype = torch.bfloat16) -> TileConfig:
     """Tiles for the fused kernel: large in the interpreter (few programs), H200-measured on CUDA.
 
-    From bench/sweep_tiles.py on the H200 (docs/PERF.md, v2 and v3), for bf16 activations:
-    * up to 1024 tokens, 64×64 tiles (three programs per SM: one's epilogue overlaps another's
-      token loop); with int8 state (`quantized`) 128-token steps in 3 stages, up to 4096 tokens;
-    * from 1024 to 4096 tokens, 128×128 tiles accumulated and updated as two column halves
-      (181 registers, no spills), re-reading the activations half as often;
-    * above 4096 tokens, whole 128×128 tiles (the GEMM dominates; the spilled epilogue is cheaper
-      than the halves' second pass over ΔY's registers);
-    * activations through TMA descriptors for layers of 4096² elements and more (10–25 % faster
-      there); smaller layers keep plain loads.
+    From bench/anatomy.py and bench/sweep_tiles.py on the H200 (docs/PERF.md, v2 to v4), for bf16
+    activations and fp32 / bf16 state:
+    * 128×128 tiles whose epilogue runs on quarter-width slices split from the accumulator in
+      registers, capped at 128 registers per thread so two programs share an SM (one's epilogue
+      overlaps the other's token loop); activations through TMA;
+    * except up to 1024 tokens on layers of 2^24 elements and more, where 64×64 tiles (three
+      programs per SM, each epilogue a quarter of the size) measured faster, and on layers under
+      2^22 elements (fewer than 256 tiles of 128×128: idle SMs), which keep v2's 64×64 tiles.
+    int8 state (`quantized`) keeps its measured tiles: 64×64, 128-token steps, up to 4096 tokens;
+    v3's whole 128×128 tiles above (its slices must hold whole 64-element scale blocks).
     float32 activations keep 64×64 tiles with plain loads (v2's measured config): their blocks take
-    twice the shared memory, and 128×128 tiles in 4 stages would need 256 KiB, over the H200's 227.
+    twice the shared memory.
     """
     if device.type != "cuda":
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=1)
     if activations == torch.float32:
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4)
-    tma = N * K >= 2**24
-    if quantized and T <= 4096:
-        return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3, tma=tma)
-    if T <= 1024:
-        return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4, tma=tma)
-    if T <= 4096:
-        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, k_halves=True,
-                          tma=tma)
-    return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=tma)
+    large = N * K >= 2**24
+    if quantized:
+        if T <= 4096:
+            return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3, tma=large)
+        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=large)
+    if T <= 1024 and (large or N * K < 2**22):
+        return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4, tma=large)
+    return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=3, tma=True,
+                      epilogue_split=4, maxnreg=128)
+
+
+def check_config(cfg: TileConfig, quantized: bool) -> None:
+    """Refuse a tile config the fused kernel cannot run: blocks that are powers of two ≥ 16, BLOCK_K a
+    multiple of 64, and with quantized state, epilogue slices that hold whole 64-element scale blocks."""
+    for name in ("block_t", "block_n", "block_k"):
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two ≥ 16, got {v} in {cfg}")
+    if cfg.block_k % BLOCK:
+        raise ValueError(f"block_k must be a multiple of {BLOCK}, got {cfg}")
+    slice_k = cfg.block_k // cfg.epilogue_split
+    if quantized and slice_k % BLOCK:
+        raise ValueError(f"the epilogue's slices (block_k / epilogue_split = {slice_k} columns) must be a multiple of "
+                         f"{BLOCK} for int8 state; use a smaller epilogue_split or a larger block_k, got {cfg}")
 
 
 def step_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
@@ -260,8 +300,7 @@ def fused_linear_step(
         _commit_scalars(state, scalar_updates)
         return
     cfg = config or fused_config(T, N, K, weight.device, is_quantized(layouts), x2.dtype)
-    if cfg.block_k % (2 * BLOCK if cfg.k_halves else BLOCK):
-        raise ValueError(f"block_k must be a multiple of {BLOCK} (of {2 * BLOCK} with k_halves), got {cfg}")
+    check_config(cfg, is_quantized(layouts))
     dot_fp32 = interpreting() or x.dtype == torch.float32
     precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
     grid = (triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k),)
@@ -280,8 +319,8 @@ def fused_linear_step(
         W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
         DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
         BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-        K_HALVES=cfg.k_halves, TMA=tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_HALVES=cfg.k_halves, EPILOGUE_SPLIT=cfg.epilogue_split, TMA=tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     _commit_scalars(state, scalar_updates)
 

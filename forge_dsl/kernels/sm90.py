@@ -77,7 +77,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     precision = {"fp32": "ieee", "tf32": "tf32"}.get(activations)
     constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
                   "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
-                  "K_HALVES": cfg.k_halves, "TMA": cfg.tma, "stride_xk": 1, "stride_dyn": 1, **layouts}
+                  "K_HALVES": cfg.k_halves, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": cfg.tma, "stride_xk": 1, "stride_dyn": 1, **layouts}
     export_values = dict(zip([a for a in fused.arg_names if a.startswith("h_")], exports))
     signature = {}
     for arg in fused.arg_names:
@@ -102,7 +102,8 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
              if a in _DIVISIBLE or a.startswith(("S_", "SCALE_"))}
     source = ASTSource(fused, signature, {k: v for k, v in constexprs.items() if k in signature}, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                     "maxnreg": cfg.maxnreg})
     return _resources(kernel, triton)
 
 
@@ -123,7 +124,7 @@ def main(argv=None) -> None:
     ap.add_argument("spec", nargs="?", default="adamw", help="built-in name or .fopt path (default adamw)")
     ap.add_argument("--all", action="store_true", help="every built-in spec")
     ap.add_argument("--layout", default="bf16", help="state layout: fp32, bf16 or int8 (default bf16)")
-    ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]] (default: fused_config for --tokens)")
+    ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R] (default: fused_config for --tokens)")
     ap.add_argument("--tokens", type=int, default=2048, help="T for the default config (default 2048)")
     ap.add_argument("--activations", choices=("bf16", "fp32", "tf32"), default="bf16",
                     help="bf16, or float32 with exact (fp32) or TF32 products (default bf16)")

@@ -252,6 +252,17 @@ def accumulate_dw_halves(X, DY, n_start, k_start, T, N, K, stride_xt, stride_xk,
     return acc0, acc1
 
 
+@triton.jit
+def split_columns(acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """An accumulator [BLOCK_N, BLOCK_K] → its left and right column halves, [BLOCK_N, BLOCK_K // 2] each.
+
+    An epilogue can then work on one slice of a tile at a time. On sm_90 the split adds no shared
+    memory traffic: a dot → split → store kernel compiles to the same shared-memory instructions as
+    one storing the whole tile (each thread's columns of the MMA accumulator fall into both halves).
+    """
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_N, 2, BLOCK_K // 2)), (0, 2, 1)))
+
+
 # ---------------------------------------------------------------------------
 # weights
 # ---------------------------------------------------------------------------
