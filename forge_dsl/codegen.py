@@ -230,10 +230,16 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     return {
         "raw": raw,
         "load_args": load_args("W", " " * 12),
-        "load_args_slice": load_args("W", " " * 16, "SLICE_K"),
+        "load_args_slice": load_args("W", " " * 8, "SLICE_K"),
         "load_args_step": load_args("P", " " * 8),
         "apply_fused": apply_args("W", "acc", " " * 12),
-        "apply_slice": apply_args("W", "__ACC__", " " * 16, "SLICE_K"),
+        "apply_slice": apply_args("W", "acc", " " * 8, "SLICE_K"),
+        # the fused kernel's calls of _slice_v<i>, for 2 and 4 slices: (accumulator slice, its first column)
+        "slice_calls": {split: [_wrapped_args(["W", *state_ptrs, *exports, acc, "offs_n", k, "N", "K", *common,
+                                               *layouts, "BLOCK_N", "SLICE_K"], " " * 16) for acc, k in slices]
+                        for split, slices in ((2, [("acc_a", "k_start"), ("acc_b", "k_start + SLICE_K")]),
+                                              (4, [(f"acc_{i}", f"k_start + {i} * SLICE_K" if i else "k_start")
+                                                   for i in range(4)]))},
         "apply_step": apply_args("P", "b_grad", " " * 8),
         "index": index,
         "combo": describe_combo(low.combo) or "no flags",
