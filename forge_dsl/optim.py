@@ -22,10 +22,11 @@ Exactness rules (each refused loudly when it cannot hold):
   * a fused weight that also gets a gradient from a use outside its Linear
     (`F.linear(x, module.weight)`) raises in `step()`;
   * global-norm clipping needs every gradient before any update, so
-    `torch.nn.utils.clip_grad_norm_` on fused weights raises (Hugging Face
-    Trainer: `TrainingArguments(max_grad_norm=0)`; with `max_norm=inf`, which
-    only measures, it returns NaN), and `max_grad_norm=` is not offered (see
-    `_CLIP_MESSAGE`);
+    `torch.nn.utils.clip_grad_norm_` and `clip_grads_with_norm_` on fused
+    weights raise (Hugging Face Trainer: `TrainingArguments(max_grad_norm=0)`;
+    with `max_norm=inf`, which only measures, `clip_grad_norm_` returns NaN),
+    and `max_grad_norm=` is not offered (see `_CLIP_MESSAGE`);
+    `clip_grad_value_` on fused weights raises too: clamp in the spec instead;
   * `torch.autocast` over a fused layer raises: train a bf16 model instead.
 """
 
@@ -61,8 +62,23 @@ def _is_fused(p: Any) -> bool:
     return isinstance(p, torch.Tensor) and _FUSED_PARAMS.get(id(p)) is p
 
 
+_VALUE_CLIP_MESSAGE = (
+    "FORGE updates linear weights inside backward without ever storing their gradients, so there is "
+    "nothing to clamp afterwards. Clamp inside the update instead: a spec can say "
+    "`g = clamp(grad, -clip, clip)` (docs/LANGUAGE.md), which the fused kernel applies exactly."
+)
+
+
+def _fused_among(parameters) -> tuple[list, list]:
+    """(parameters as a list, the FORGE-fused ones among them)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    return params, [p for p in params if _is_fused(p)]
+
+
 def _install_clip_guard() -> None:
-    """Make torch.nn.utils.clip_grad_norm_ refuse parameters whose gradients FORGE consumes in backward."""
+    """Make torch's gradient clipping refuse parameters whose gradients FORGE consumes in backward:
+    `clip_grad_norm_`, the two-step `get_total_norm` + `clip_grads_with_norm_` (its second step; the
+    first sees only gradients), and `clip_grad_value_`. Parameters stepped from `.grad` are clipped as usual."""
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_grad
 
@@ -72,8 +88,7 @@ def _install_clip_guard() -> None:
 
     @functools.wraps(original)
     def guarded(parameters, *args, **kwargs):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        fused = [p for p in params if _is_fused(p)]
+        params, fused = _fused_among(parameters)
         if fused:
             max_norm = kwargs["max_norm"] if "max_norm" in kwargs else (args[0] if args else None)
             if max_norm is not None and math.isinf(float(max_norm)):
@@ -87,6 +102,31 @@ def _install_clip_guard() -> None:
     guarded._forge_guard = True
     clip_grad.clip_grad_norm_ = guarded
     nn_utils.clip_grad_norm_ = guarded
+
+    with_norm = getattr(nn_utils, "clip_grads_with_norm_", None)  # torch >= 2.6
+    if with_norm is not None:
+        @functools.wraps(with_norm)
+        def guarded_with_norm(parameters, max_norm, *args, **kwargs):
+            params, fused = _fused_among(parameters)
+            if fused and not math.isinf(float(max_norm)):  # an infinite max_norm scales nothing
+                raise RuntimeError("clip_grads_with_norm_ cannot scale the gradients of FORGE-fused weights, and "
+                                   "get_total_norm never saw them: " + _CLIP_MESSAGE)
+            return with_norm(params, max_norm, *args, **kwargs)
+
+        nn_utils.clip_grads_with_norm_ = guarded_with_norm
+
+    by_value = clip_grad.clip_grad_value_
+
+    @functools.wraps(by_value)
+    def guarded_value(parameters, *args, **kwargs):
+        params, fused = _fused_among(parameters)
+        if fused:
+            raise RuntimeError("clip_grad_value_ cannot clamp the gradients of FORGE-fused weights: "
+                               + _VALUE_CLIP_MESSAGE)
+        return by_value(params, *args, **kwargs)
+
+    clip_grad.clip_grad_value_ = guarded_value
+    nn_utils.clip_grad_value_ = guarded_value
 
 
 class _ForgeLinearFn(torch.autograd.Function):

@@ -618,6 +618,30 @@ def test_clip_grad_norm_on_fused_weights_is_refused():
     opt.step()
 
 
+def test_two_step_and_value_clipping_on_fused_weights_are_refused():
+    """torch >= 2.6's get_total_norm + clip_grads_with_norm_ would scale only the gradients that exist,
+    and clip_grad_value_ would skip the fused weights: both silently wrong, so both refuse."""
+    model = make_mlp()
+    opt = ForgeOptimizer(model, "adamw")
+    mlp_loss(model, mlp_batches(1)[0]).backward()
+    others = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad.clone() for p in others]
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        total = torch.nn.utils.get_total_norm([p.grad for p in others])
+        with pytest.raises(RuntimeError, match="clip_grads_with_norm_ .*get_total_norm never saw them.*max_grad_norm=0"):
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, total)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), float("inf"), total)  # scales nothing: allowed
+        torch.nn.utils.clip_grads_with_norm_(others, total / 2, total)  # unfused parameters: clipped as usual
+        for p, g in zip(others, grads):
+            torch.testing.assert_close(p.grad, g / 2, rtol=1e-5, atol=0)
+    with pytest.raises(RuntimeError, match=r"clip_grad_value_ .*clamp\(grad, -clip, clip\)"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+    bound = others[0].grad.abs().max().item() / 2
+    torch.nn.utils.clip_grad_value_(others[:1], bound)
+    assert others[0].grad.abs().max().item() == pytest.approx(bound)
+    opt.step()
+
+
 def test_clip_guard_leaves_other_models_alone():
     ForgeOptimizer(make_mlp(), "adamw")
     model = make_mlp()
