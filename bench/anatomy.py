@@ -16,7 +16,9 @@ the median per call of a CUDA graph replaying the call 20 times (no host overhea
         [--ws] [--json FILE]
 
 fused ≈ token loop + epilogue means nothing overlaps the epilogue; fused ≈ max of the two means
-co-resident programs hide it. Scratch weights and state only (never live ones).
+co-resident programs hide it. Scratch weights and state only (never live ones). The same buffers are
+replayed: a layer whose weights and state fit in the L2 (k/v) is timed warm; `forge-bench kernel
+--timing graph` rotates copies past the L2.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import argparse
 import datetime
 import json
 import shlex
-import statistics
 import sys
 
 import torch
@@ -34,7 +35,7 @@ import triton.language as tl
 
 import forge_dsl
 from forge_dsl import kernels
-from forge_dsl.bench.common import device_name, git_commit
+from forge_dsl.bench.common import device_name, git_commit, graph_ms as common_graph_ms
 from forge_dsl.config import resolve_hypers
 from forge_dsl.generated import adamw as adamw_module
 from forge_dsl.generated.adamw import _apply_v0, _load_v0
@@ -100,29 +101,10 @@ def adamw_persistent_ws(X, DY, W, S_m, S_v, h0, h1, h2, h3, h4, h5, h6, seed, T,
                   offs_n, k_start, 1, seed, True, True, 1, 1, BLOCK_N, BLOCK_K)
 
 
-def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
-    """Median ms per call of `fn` captured `calls` times in one CUDA graph (NaN if it fails)."""
+def graph_ms(fn) -> float:
+    """`forge_dsl.bench.common.graph_ms` (GPU time per call from a CUDA graph of 20 calls); NaN if it fails."""
     try:
-        fn()  # compile, and lazy state
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-        return statistics.median(times)
+        return common_graph_ms(fn, torch.device("cuda"))
     except Exception as err:  # out of resources or a compile failure: a result too
         print(f"  {type(err).__name__}: {str(err)[:300]}", flush=True)
         return float("nan")

@@ -203,6 +203,20 @@ def test_bad_options_are_one_line_errors(tmp_path):
         main(["kernel", *CPU, "--out", str(tmp_path), "--specs", "adamx"])
     with pytest.raises(SystemExit, match="unknown methods"):
         main(["model", *CPU, "--out", str(tmp_path), "--methods", "sgd"])
+    with pytest.raises(SystemExit, match="--timing graph needs a CUDA device"):
+        main(["kernel", *CPU, "--out", str(tmp_path), "--timing", "graph"])
+
+
+@pytest.mark.gpu
+def test_kernel_graph_timing(tmp_path):
+    """`--timing graph`: every method, torch's capturable step included, replays from a CUDA graph."""
+    main(["kernel", "--out", str(tmp_path), "--specs", "adamw,nadam", "--shapes", "1024x4096", "--tokens", "512",
+          "--layouts", "bf16", "--timing", "graph"])
+    data = json.loads(next(tmp_path.glob("kernel-*.json")).read_text())
+    assert data["settings"]["timing"] == "graph"
+    for row in data["rows"]:
+        assert not row["errors"], row["errors"]
+        assert all(row[f"{k}_ms"] > 0 for k in ("fused", "dw_ours", "dw_torch", "slab")), row
 
 
 def test_help_lists_the_subcommands(capsys):

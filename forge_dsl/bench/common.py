@@ -57,6 +57,35 @@ def median_ms(fn: Callable[[], None], device: torch.device, *, warmup_ms: float 
     return statistics.median(times)
 
 
+def graph_ms(fn: Callable[[], None], device: torch.device, *, calls: int = 20, replays: int = 10) -> float:
+    """Median GPU time per call of `fn()` in ms, from a CUDA graph of `calls` calls replayed `replays` times.
+
+    No host time is in it (launch costs, Python), unlike `median_ms`: what the kernels cost, as a
+    training step captured in a graph would pay. `fn` is called once before capture (compiles, lazy
+    state) and once on a side stream, as CUDA graph capture wants.
+    """
+    fn()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         synchronize(device)

@@ -17,6 +17,9 @@ state layout, median ms of:
 Every call rotates among several copies of (x, dy, W, state) whose total size is
 at least twice the L2 (60 MB on an H200; W and state are updated in place, so they are
 copied too); `triton.testing.do_bench` also flushes L2 before each call.
+`--timing graph` times GPU work only: each method replayed from a CUDA graph of 20 calls,
+so a busy or slow host (launch costs) cannot show in the numbers; torch's step runs with
+`capturable=True` there.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
 from forge_dsl.kernels.launch import SLAB_BYTES, fused_config, slab_rows
 
-from .common import Progress, Results, UsageError, format_table, free_memory, median_ms, pyplot
+from .common import Progress, Results, UsageError, format_table, free_memory, graph_ms, median_ms, pyplot
 
 PEAK_FLOPS = 790e12  # dense bf16 GEMM on these H200s (docs/PERF.md)
 PEAK_BYTES_PER_S = 4.3e12  # device-to-device copy on these H200s
@@ -109,6 +112,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
                     help="bf16 weight write-back of ours (default stochastic; nearest shows what Philox costs)")
     ap.add_argument("--rep", type=float, default=50, metavar="MS", help="do_bench repetition time per method (ms)")
+    ap.add_argument("--timing", choices=("events", "graph"), default="events",
+                    help="events: triton.testing.do_bench, host launch time included (default); graph: GPU time "
+                         "only, each method replayed from a CUDA graph of 20 calls (torch's step runs capturable)")
 
 
 def parse_config(text: str) -> TileConfig:
@@ -162,9 +168,11 @@ def resolve_settings(args, device: torch.device) -> dict:
             forge_dsl.load_spec(name)
         except (FileNotFoundError, forge_dsl.SpecError) as err:
             raise UsageError(str(err)) from None
+    if args.timing == "graph" and cpu:
+        raise UsageError("--timing graph needs a CUDA device (CUDA graphs); the CPU runs the Triton interpreter")
     return {"specs": specs, "shapes": [asdict(s) for s in shapes], "tokens": tokens, "layouts": layouts,
             "config": asdict(args.config) if args.config else "default (per row)", "rep_ms": args.rep, "step": STEP,
-            "rounding": args.rounding,
+            "timing": args.timing, "rounding": args.rounding,
             "weights": "bf16", "activations": "bf16", "peak_flops": PEAK_FLOPS,
             "peak_bytes_per_s": PEAK_BYTES_PER_S, "l2_bytes": None if cpu else l2_bytes(device)}
 
@@ -219,11 +227,17 @@ def rotating(sets: list, body: Callable) -> Callable[[], None]:
     return lambda: body(*next(cycle))
 
 
-def timed(fn_factory: Callable[[], Callable[[], None]], device: torch.device, rep_ms: float,
+def timed(fn_factory: Callable[[], Callable[[], None]], device: torch.device, settings: dict,
           errors: dict, key: str) -> Optional[float]:
-    """Median ms of the call `fn_factory()` builds; on failure (OOM, out of resources) None and errors[key]."""
+    """Median ms of the call `fn_factory()` builds, by `settings["timing"]` ("events": do_bench for
+    `settings["rep_ms"]`; "graph": `graph_ms`); on failure (OOM, out of resources, not capturable) None
+    and errors[key]."""
     try:
-        return median_ms(fn_factory(), device, warmup_ms=rep_ms / 5, rep_ms=rep_ms)
+        fn = fn_factory()
+        if settings.get("timing") == "graph":
+            return graph_ms(fn, device)
+        rep_ms = settings["rep_ms"]
+        return median_ms(fn, device, warmup_ms=rep_ms / 5, rep_ms=rep_ms)
     except Exception as err:  # a result too: OOM, Triton's out-of-resources for a --config, ...
         errors[key] = "OOM" if isinstance(err, torch.cuda.OutOfMemoryError) else \
             f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
@@ -252,14 +266,17 @@ def torch_step_label(choice: Optional[tuple[str, tuple]]) -> Optional[str]:
     return None if choice is None else f"{choice[0]}({', '.join(f'{k}={v}' for k, v in choice[1])})"
 
 
-def bench_torch_pair(spec_name: str, shape: Shape, T: int, device: torch.device, rep_ms: float,
+def bench_torch_pair(spec_name: str, shape: Shape, T: int, device: torch.device, settings: dict,
                      errors: dict) -> Optional[float]:
-    """cuBLAS dW + torch's own fused/foreach step (bf16 state), or None where torch has no such optimizer."""
+    """cuBLAS dW + torch's own fused/foreach step (bf16 state), or None where torch has no such optimizer.
+    With graph timing the step is `capturable=True` (its step count on the GPU), as graph capture needs."""
     choice = torch_step(spec_name, device.type)
     if choice is None:
         return None
     cls = getattr(torch.optim, choice[0])
     keywords = {**hypers_for(spec_name), **dict(choice[1])}
+    if settings.get("timing") == "graph":
+        keywords["capturable"] = True
 
     def build():
         count = n_sets(moved_bytes(spec_name, shape, T, "bf16"), device)
@@ -272,7 +289,7 @@ def bench_torch_pair(spec_name: str, shape: Shape, T: int, device: torch.device,
 
         return rotating(sets, body)
 
-    return timed(build, device, rep_ms, errors, "dw_torch")
+    return timed(build, device, settings, errors, "dw_torch")
 
 
 def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.device, settings: dict,
@@ -301,10 +318,10 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
     row = {"spec": spec_name, "shape": shape.name, "N": shape.N, "K": shape.K, "T": T, "layout": layout,
            "sets": count, "config": asdict(config or fused_config(T, shape.N, shape.K, device, layout == "int8")),
            **floor_ms(T, shape.N, shape.K, moved)}
-    row["fused_ms"] = timed(lambda: rotating(sets, fused), device, settings["rep_ms"], errors, "fused")
-    row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings["rep_ms"], errors, "dw_ours")
+    row["fused_ms"] = timed(lambda: rotating(sets, fused), device, settings, errors, "fused")
+    row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings, errors, "dw_ours")
     # the extra path: cuBLAS dW in L2-sized row slabs, each consumed by our step kernel (never the whole dW)
-    row["slab_ms"] = timed(lambda: rotating(sets, slab), device, settings["rep_ms"], errors, "slab")
+    row["slab_ms"] = timed(lambda: rotating(sets, slab), device, settings, errors, "slab")
     row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, SLAB_BYTES) * shape.K * 2  # bf16 dW
     row["errors"] = errors
     return row
@@ -346,7 +363,7 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
         label = f"{spec_name} {shape.N}x{shape.K} T={T}"
         progress.show(f"{label} torch")
         torch_errors: dict = {}
-        torch_ms = bench_torch_pair(spec_name, shape, T, device, settings["rep_ms"], torch_errors)
+        torch_ms = bench_torch_pair(spec_name, shape, T, device, settings, torch_errors)
         free_memory(device)
         for layout in settings["layouts"]:
             progress.show(f"{label} {layout}")
@@ -410,7 +427,8 @@ def plot(results: Results) -> None:
               plt.Line2D([], [], ls="", marker="o", color="tab:green", label="cuBLAS dW slabs + our step"),
               plt.Line2D([], [], ls="", marker="D", color="black", label="cuBLAS dW + torch step (bf16 state)")]
     legend += [plt.Line2D([], [], ls="", marker=m, color="gray", label=f"{k} state") for k, m in markers.items()]
-    fig.suptitle(f"one linear layer's update, bf16 weights — {results.data['device']}", fontsize=10)
+    timing = " (GPU time, CUDA graphs)" if results.data["settings"].get("timing") == "graph" else ""
+    fig.suptitle(f"one linear layer's update, bf16 weights — {results.data['device']}{timing}", fontsize=10)
     fig.legend(handles=legend, loc="outside lower center", ncol=6, fontsize=8)
     results.save_figure(fig)
     plt.close(fig)
