@@ -35,6 +35,7 @@ import triton.language as tl
 
 import forge_dsl
 from forge_dsl import kernels
+from forge_dsl.bench import kernel as bench_kernel
 from forge_dsl.bench.common import device_name, git_commit, graph_ms as common_graph_ms
 from forge_dsl.config import resolve_hypers
 from forge_dsl.generated import adamw as adamw_module
@@ -110,18 +111,13 @@ def graph_ms(fn) -> float:
         return float("nan")
 
 
-def floor_ms(T: int, N: int, K: int, states: int, state_bytes: int) -> float:
-    flops = 2 * T * N * K
-    bytes_ = 2 * T * (N + K) + 2 * N * K * 2 + states * 2 * N * K * state_bytes
-    return max(flops / 790e12, bytes_ / 4.3e12) * 1e3
-
-
 def run_case(spec_name: str, layout: str, N: int, K: int, T: int, rows: list, configs: dict, ws: bool) -> None:
     spec = forge_dsl.load_spec(spec_name)
-    kw = {"lr": 1e-4, **({"momentum": 0.9} if spec_name == "sgd_momentum" else {})}
-    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
-    w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+    kw = bench_kernel.hypers_for(spec_name)
+    shape = bench_kernel.Shape(f"{N}x{K}", N, K)
+    cuda = torch.device("cuda")
+    x, dy = bench_kernel.make_inputs(T, shape, cuda)
+    w = bench_kernel.scratch_weight(shape, cuda)
     state = forge_dsl.init_state(spec, w, layout=layout, **kw)
     dw = torch.empty(N, K, device="cuda", dtype=torch.bfloat16)
 
@@ -129,8 +125,7 @@ def run_case(spec_name: str, layout: str, N: int, K: int, T: int, rows: list, co
         rows.append({"spec": spec_name, "layout": layout, "N": N, "K": K, "T": T, "what": what, "ms": ms})
         print(json.dumps(rows[-1]), flush=True)
 
-    n_states = len([t for t in state.values() if t.dim() == 2])
-    add("floor", floor_ms(T, N, K, n_states, {"fp32": 4, "bf16": 2, "int8": 1}[layout]))
+    add("floor", bench_kernel.floor_ms(T, N, K, bench_kernel.moved_bytes(spec_name, shape, T, layout))["floor_ms"])
     add("cuBLAS dW", graph_ms(lambda: torch.matmul(dy.t(), x, out=dw)))
     add("our step", graph_ms(lambda: kernels.step(spec, w, dw, state, step=1, **kw)))
     if spec_name == "adamw" and layout == "bf16":
@@ -162,8 +157,9 @@ def launch_token_loop(x, dy, out, cfg: TileConfig) -> None:
     N = dy.shape[1]
     xa, dya = x, dy
     if cfg.tma:
-        xa = TensorDescriptor.from_tensor(x, [cfg.block_t, cfg.block_k // 2 if cfg.k_halves else cfg.block_k])
-        dya = TensorDescriptor.from_tensor(dy, [cfg.block_t, cfg.block_n])
+        x_block, dy_block = cfg.tma_blocks
+        xa = TensorDescriptor.from_tensor(x, x_block)
+        dya = TensorDescriptor.from_tensor(dy, dy_block)
     grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(K, cfg.block_k),)
     token_loop_only[grid](xa, dya, out, T, N, K, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
                           BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,

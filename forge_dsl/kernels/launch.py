@@ -63,6 +63,11 @@ class TileConfig:
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"maxnreg must be in [24, 255] registers per thread, got {self.maxnreg}")
 
+    @property
+    def tma_blocks(self) -> tuple[list[int], list[int]]:
+        """The TMA block shapes of X and DY: [BLOCK_T, BLOCK_K] (BLOCK_K / 2 with k_halves) and [BLOCK_T, BLOCK_N]."""
+        return [self.block_t, self.block_k // 2 if self.k_halves else self.block_k], [self.block_t, self.block_n]
+
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
         """'BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R]' → a TileConfig; HALVES and TMA are 0 or
@@ -299,8 +304,9 @@ def fused_linear_step(
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
-    cfg = config or fused_config(T, N, K, weight.device, is_quantized(layouts), x2.dtype)
-    check_config(cfg, is_quantized(layouts))
+    quantized = is_quantized(layouts)
+    cfg = config or fused_config(T, N, K, weight.device, quantized, x2.dtype)
+    check_config(cfg, quantized)
     dot_fp32 = interpreting() or x.dtype == torch.float32
     precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
     grid = (triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k),)
@@ -308,8 +314,9 @@ def fused_linear_step(
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor  # triton is imported on first launch
 
-        x_arg = TensorDescriptor.from_tensor(x2, [cfg.block_t, cfg.block_k // 2 if cfg.k_halves else cfg.block_k])
-        dy_arg = TensorDescriptor.from_tensor(dy2, [cfg.block_t, cfg.block_n])
+        x_block, dy_block = cfg.tma_blocks
+        x_arg = TensorDescriptor.from_tensor(x2, x_block)
+        dy_arg = TensorDescriptor.from_tensor(dy2, dy_block)
     else:
         x_arg, dy_arg = x2, dy2
     fused[grid](

@@ -77,15 +77,15 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     precision = {"fp32": "ieee", "tf32": "tf32"}.get(activations)
     constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
                   "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
-                  "K_HALVES": cfg.k_halves, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": cfg.tma, "stride_xk": 1, "stride_dyn": 1, **layouts}
+                  "K_HALVES": cfg.k_halves, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": cfg.tma,
+                  "stride_xk": 1, "stride_dyn": 1, **layouts}
     export_values = dict(zip([a for a in fused.arg_names if a.startswith("h_")], exports))
     signature = {}
     for arg in fused.arg_names:
         if arg in constexprs:
             signature[arg] = "constexpr"
         elif arg in ("X", "DY") and cfg.tma:
-            block = [cfg.block_t, (cfg.block_k // 2 if cfg.k_halves else cfg.block_k) if arg == "X" else cfg.block_n]
-            signature[arg] = f"tensordesc<{act}{block}>"
+            signature[arg] = f"tensordesc<{act}{cfg.tma_blocks[0 if arg == 'X' else 1]}>"
         elif arg in ("X", "DY"):
             signature[arg] = f"*{act}"
         elif arg == "W":
@@ -124,7 +124,8 @@ def main(argv=None) -> None:
     ap.add_argument("spec", nargs="?", default="adamw", help="built-in name or .fopt path (default adamw)")
     ap.add_argument("--all", action="store_true", help="every built-in spec")
     ap.add_argument("--layout", default="bf16", help="state layout: fp32, bf16 or int8 (default bf16)")
-    ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R] (default: fused_config for --tokens)")
+    ap.add_argument("--config", help="BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R] "
+                                     "(default: fused_config for --tokens)")
     ap.add_argument("--tokens", type=int, default=2048, help="T for the default config (default 2048)")
     ap.add_argument("--activations", choices=("bf16", "fp32", "tf32"), default="bf16",
                     help="bf16, or float32 with exact (fp32) or TF32 products (default bf16)")
@@ -132,7 +133,8 @@ def main(argv=None) -> None:
     config = TileConfig.parse(args.config) if args.config else None
     for name in builtin_names() if args.all else [args.spec]:
         hypers = {"momentum": 0.9} if load_spec(name).name == "sgd_momentum" else {}
-        print(f"{name:>13} {args.layout:>5}: {compile_fused(name, args.layout, config, args.tokens, args.activations, **hypers)}")
+        resources = compile_fused(name, args.layout, config, args.tokens, args.activations, **hypers)
+        print(f"{name:>13} {args.layout:>5}: {resources}")
 
 
 if __name__ == "__main__":

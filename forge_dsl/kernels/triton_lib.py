@@ -58,6 +58,7 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 __all__ = [
     "accumulate_dw",
     "accumulate_dw_halves",
+    "split_columns",
     "grouped_tile",
     "load_tokens",
     "tile_at",
