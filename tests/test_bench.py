@@ -75,6 +75,19 @@ def test_model_smoke(tmp_path, capsys):
     assert data["settings"]["loss"] == "transformers"
 
 
+def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monkeypatch):
+    from forge_dsl.kernels import launch
+
+    calls = []
+    for path in ("fused_linear_step", "slab_linear_step"):
+        original = getattr(launch, path)
+        monkeypatch.setattr(launch, path, lambda *a, _f=original, _p=path, **k: calls.append(_p) or _f(*a, **k))
+    data = run_bench(tmp_path, capsys, "model", "--methods", "forge-int8-slab")
+    (row,) = data["rows"]
+    assert row["status"] == "ok" and row["method"] == "forge-int8-slab" and row["step_ms"] > 0
+    assert calls and set(calls) == {"slab_linear_step"}
+
+
 def test_model_smoke_inplace_loss(tmp_path, capsys):
     data = run_bench(tmp_path, capsys, "model", "--loss", "inplace", "--methods", "torch-adamw")
     (row,) = data["rows"]

@@ -129,8 +129,9 @@ def _torch_adamw_in_backward(model):
     return finish
 
 
-def _forge(state_dtype: str):
-    return lambda model: _stepper(forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=state_dtype, lr=LR))
+def _forge(state_dtype: str, linear_path: str = "auto"):
+    return lambda model: _stepper(forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=state_dtype, lr=LR,
+                                                           linear_path=linear_path))
 
 
 def _torchao_adamw8bit(model):
@@ -153,6 +154,11 @@ METHODS = {m.name: m for m in (
     Method("torchao-adamw8bit", _torchao_adamw8bit, needs="torchao"),
     Method("bnb-adamw8bit", _bnb_adamw8bit, needs="bitsandbytes"),
 )}
+# Not in the default list: FORGE with every linear layer's update on one path, to compare the paths
+# that `linear_path="auto"` chooses between.
+PATH_METHODS = {m.name: m for m in (
+    Method(f"forge-{state}-{path}", _forge(state, path)) for state in ("bf16", "int8") for path in ("fused", "slab")
+)}
 
 
 # ---------------------------------------------------------------------------
@@ -164,7 +170,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--models", help=f"comma-separated, from {', '.join(MODELS)} (default: "
                                      f"{','.join(FULL_MODELS)}; --quick: llama3.1-8b-2layers; CPU: tiny-llama)")
     ap.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} "
-                                      "(default: all; --quick: torch-adamw,forge-bf16)")
+                                      f"(default: all; --quick: torch-adamw,forge-bf16), or {', '.join(PATH_METHODS)} "
+                                      "(every linear layer on the fused or the slab path)")
     ap.add_argument("--seq", help="comma-separated sequence lengths at batch 1 "
                                   "(default 512,2048; --quick: 512; CPU: 32)")
     ap.add_argument("--checkpointing", choices=("off", "on", "both"),
@@ -188,8 +195,8 @@ def resolve_settings(args, device: torch.device) -> dict:
     cpu = device.type != "cuda"
     models = _choose(args.models, ["tiny-llama"] if cpu else
                      (["llama3.1-8b-2layers"] if args.quick else FULL_MODELS), MODELS, "models")
-    methods = _choose(args.methods, ["torch-adamw", "forge-bf16"] if args.quick else list(METHODS), METHODS,
-                      "methods")
+    methods = _choose(args.methods, ["torch-adamw", "forge-bf16"] if args.quick else list(METHODS),
+                      {**METHODS, **PATH_METHODS}, "methods")
     try:
         seqs = [int(s) for s in args.seq.split(",")] if args.seq else \
             ([32] if cpu else ([512] if args.quick else [512, 2048]))
@@ -329,7 +336,7 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
     for name, seq, ckpt, method_name in grid:
         label = f"{name} 1x{seq} ckpt {'on' if ckpt else 'off'} {method_name}"
         progress.show(label)
-        results.add(run_one(name, METHODS[method_name], seq, ckpt, device, settings))
+        results.add(run_one(name, {**METHODS, **PATH_METHODS}[method_name], seq, ckpt, device, settings))
         free_memory(device)
         progress.advance(label)
     progress.close()
