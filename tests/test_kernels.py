@@ -343,18 +343,21 @@ def test_tile_configs_are_validated():
 
 
 def test_default_tile_configs_on_the_h200():
-    """docs/PERF.md, v4: 128×128 tiles with a quarter-slice epilogue in 128 registers, except 64×64 tiles
-    up to 1024 tokens on layers of 2^24 elements and more or under 2^22; int8 state and float32 activations
-    keep their own tiles."""
+    """docs/PERF.md, v4 and v5: 128×128 tiles with a quarter-slice epilogue in 128 registers, except 64×64
+    tiles up to 512 tokens on layers of 2^24 elements and more, and up to 1024 on layers under 2^22; int8
+    state and float32 activations have their own tiles."""
     cuda = torch.device("cuda")
     split = launch.fused_config(2048, 4096, 4096, cuda)
     assert (split.block_n, split.block_k, split.epilogue_split, split.maxnreg, split.tma) == (128, 128, 4, 128, True)
     assert launch.fused_config(512, 1024, 4096, cuda) == split  # k/v: 256 tiles of 128×128
     assert launch.fused_config(8192, 14336, 4096, cuda) == split
+    assert launch.fused_config(1024, 4096, 4096, cuda) == split  # v5: 128×128 measured faster from 1024 tokens
     for small in (launch.fused_config(512, 4096, 4096, cuda), launch.fused_config(1024, 512, 512, cuda)):
         assert (small.block_n, small.block_k, small.epilogue_split, small.maxnreg) == (64, 64, 1, None)
-    int8 = launch.fused_config(2048, 4096, 4096, cuda, quantized=True)
-    assert int8.epilogue_split == 1 and int8.block_t == 128
+    int8 = launch.fused_config(2048, 4096, 4096, cuda, quantized=True)  # v5: 128×64, two programs per SM
+    assert (int8.block_n, int8.block_k, int8.epilogue_split, int8.maxnreg, int8.tma) == (128, 64, 1, 128, True)
+    assert launch.fused_config(2048, 1024, 4096, cuda, quantized=True) == int8
+    assert launch.fused_config(8192, 4096, 4096, cuda, quantized=True).block_k == 128
     assert launch.fused_config(2048, 4096, 4096, cuda, activations=torch.float32).block_k == 64
     for T in (1, 512, 2048, 8192):
         for n, k in ((4096, 4096), (1024, 4096), (128256, 4096), (64, 64)):
@@ -515,6 +518,10 @@ def test_auto_linear_path():
     assert launch.auto_linear_path(8192, 1024 * 4096, torch.bfloat16, cuda) == "fused"  # k/v: not measured faster
     assert launch.auto_linear_path(8192, big, torch.float32, cuda) == "fused"  # fp32: the fused kernel's exact product
     assert launch.auto_linear_path(8192, big, torch.bfloat16, cpu) == "fused"
+    # int8 state: the slab path from 2048 tokens, on every layer (v5)
+    assert launch.auto_linear_path(2048, 1024 * 4096, torch.bfloat16, cuda, quantized=True) == "slab"
+    assert launch.auto_linear_path(2047, big, torch.bfloat16, cuda, quantized=True) == "fused"
+    assert launch.auto_linear_path(8192, big, torch.float32, cuda, quantized=True) == "fused"
     w, x, dy = make_problem(12, torch.float32)
     with pytest.raises(ValueError, match="path must be one of auto, fused, slab, got 'gemm'"):
         kernels.linear_step("adamw", x, dy, w, forge_dsl.init_state("adamw", w), step=1, path="gemm")
@@ -532,3 +539,10 @@ def test_linear_step_routes_each_option_to_its_path(monkeypatch):
     assert (fused, slab, auto) == ("fused", "slab", "fused")  # auto: CPU
     assert f_kw["config"] is config and "slab_bytes" not in f_kw and f_kw["lr"] == 0.1
     assert s_kw["slab_bytes"] == 2**20 and "config" not in s_kw and "tf32" not in s_kw and s_kw["step"] == 1
+    # "auto" asks with the layer's token count, size and whether its state is quantized
+    asked = []
+    monkeypatch.setattr(launch, "auto_linear_path", lambda *a: asked.append(a) or "fused")
+    for layout in ("bf16", "int8"):
+        state = forge_dsl.init_state("adamw", w, layout=layout)
+        kernels.linear_step("adamw", x, dy, w, state, step=1, lr=0.1)
+    assert asked == [(T, N * K, torch.bfloat16, w.device, False), (T, N * K, torch.bfloat16, w.device, True)]

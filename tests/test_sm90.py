@@ -70,12 +70,15 @@ def resources():
 def test_fused_kernel_compiles_for_sm90_without_spills(resources, index):
     """The configs up to 4096 tokens: no spills (under a 128-register cap, a few words at most, which
     Triton versions place differently: NAdam 16 B and centered RMSprop with momentum 56 B with 3.9,
-    none with 3.6; AdamW with amsgrad 72 B with 3.6), a pipelined token loop (asynchronous copies:
+    none with 3.6; AdamW with amsgrad 72 B with 3.6; more with int8 state, below), a pipelined token loop (asynchronous copies:
     TMA, or cp.async for plain loads), 16-byte W and state access."""
     name, layout, hypers, config, activations = CASES[index]
     res = resources[index]
     cfg = TileConfig.parse(config) if config else _default_config(layout, activations)
-    assert res["stack_bytes"] <= (96 if cfg.maxnreg else 0), f"{CASES[index]} spills: {res}"
+    # int8 state's epilogue (block absmax and quantization) holds more: its capped 128×64 tiles spill up
+    # to 232 B (NAdam, Triton 3.6) and still measured 6–25 % faster than 64×64 tiles without spills (v5).
+    allowed = (400 if layout == "int8" else 96) if cfg.maxnreg else 0
+    assert res["stack_bytes"] <= allowed, f"{CASES[index]} spills: {res}"
     assert res["registers"] <= 255
     assert res["shared_bytes"] <= SHARED_MEMORY_PER_PROGRAM, f"{CASES[index]} cannot launch: {res}"
     ops = res["memory_ops"]

@@ -108,11 +108,14 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     * 128×128 tiles whose epilogue runs on quarter-width slices split from the accumulator in
       registers, capped at 128 registers per thread so two programs share an SM (one's epilogue
       overlaps the other's token loop); activations through TMA;
-    * except up to 1024 tokens on layers of 2^24 elements and more, where 64×64 tiles (three
-      programs per SM, each epilogue a quarter of the size) measured faster, and on layers under
-      2^22 elements (fewer than 256 tiles of 128×128: idle SMs), which keep v2's 64×64 tiles.
-    int8 state (`quantized`) keeps its measured tiles: 64×64, 128-token steps, up to 4096 tokens;
-    v3's whole 128×128 tiles above (its slices must hold whole 64-element scale blocks).
+    * except up to 512 tokens on layers of 2^24 elements and more, where 64×64 tiles (three
+      programs per SM, each epilogue a quarter of the size) measured faster (at 1024 tokens they
+      were 7–12 % slower: v5), and up to 1024 tokens on layers under 2^22 elements (fewer than 256
+      tiles of 128×128: idle SMs), which keep v2's 64×64 tiles.
+    int8 state (`quantized`): up to 4096 tokens 128×64 tiles, 8 warps capped at 128 registers
+    (two programs per SM, a few words spilled), activations through TMA (v5: 6–25 % faster than
+    v2's 64×64 tiles on every Llama-3.1-8B shape measured); v3's whole 128×128 tiles above (the
+    epilogue's slices must hold whole 64-element scale blocks, so quarters do not apply).
     float32 activations keep 64×64 tiles with plain loads (v2's measured config): their blocks take
     twice the shared memory.
     """
@@ -123,9 +126,10 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     large = N * K >= 2**24
     if quantized:
         if T <= 4096:
-            return TileConfig(block_t=128, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=3, tma=large)
+            return TileConfig(block_t=64, block_n=128, block_k=64, group_n=8, num_warps=8, num_stages=4, tma=True,
+                              maxnreg=128)
         return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=large)
-    if T <= 1024 and (large or N * K < 2**22):
+    if (T <= 512 and large) or (T <= 1024 and N * K < 2**22):
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4, tma=large)
     return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=3, tma=True,
                       epilogue_split=4, maxnreg=128)
@@ -334,6 +338,7 @@ def fused_linear_step(
 
 SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA) ...
 SLAB_MIN_ELEMENTS = 2**24  # ... for layers this large (on k/v, 1024 × 4096, two runs disagreed)
+SLAB_MIN_TOKENS_QUANTIZED = 2048  # with int8 state: from here, on every layer (docs/PERF.md, v5)
 SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
 LINEAR_PATHS = ("auto", "fused", "slab")
 
@@ -345,7 +350,9 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
 
     path "auto": the slab path for bf16 activations on CUDA from `SLAB_MIN_TOKENS` tokens and layers
     of `SLAB_MIN_ELEMENTS`, where cuBLAS's GEMM beats the fused kernel's token loop by more than the
-    slab's extra dW traffic (an L2-resident 16 MiB slab; docs/PERF.md, v3); the fused kernel otherwise. The slab's dW is rounded
+    slab's extra dW traffic (an L2-resident 16 MiB slab; docs/PERF.md, v3), and with int8 state from
+    `SLAB_MIN_TOKENS_QUANTIZED` tokens on every layer, where the fused kernel's heavier epilogue
+    loses (v5); the fused kernel otherwise. The slab's dW is rounded
     to bf16, as autograd's is, and float32 products there follow torch's matmul precision instead
     of `tf32`; the fused kernel keeps dW in fp32. "fused" / "slab" force one. `config` goes to the
     fused kernel, `slab_bytes` to the slab path; other arguments as for `fused_linear_step`.
@@ -354,19 +361,23 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
     if path == "auto":
         tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        path = auto_linear_path(tokens, weight.numel(), x.dtype, weight.device)
+        quantized = any(isinstance(t, torch.Tensor) and t.dtype in (torch.int8, torch.uint8) for t in state.values())
+        path = auto_linear_path(tokens, weight.numel(), x.dtype, weight.device, quantized)
     if path == "slab":
         slab_linear_step(spec, x, dy, weight, state, slab_bytes=slab_bytes, **kwargs)
     else:
         fused_linear_step(spec, x, dy, weight, state, tf32=tf32, config=config, **kwargs)
 
 
-def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: torch.device) -> str:
-    """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`
-    and a weight of `elements` elements."""
-    slab = (device.type == "cuda" and dtype == torch.bfloat16 and tokens >= SLAB_MIN_TOKENS
-            and elements >= SLAB_MIN_ELEMENTS)
-    return "slab" if slab else "fused"
+def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: torch.device,
+                     quantized: bool = False) -> str:
+    """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`,
+    a weight of `elements` elements and int8 / uint8 state (`quantized`) or not."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return "fused"
+    if quantized:
+        return "slab" if tokens >= SLAB_MIN_TOKENS_QUANTIZED else "fused"
+    return "slab" if tokens >= SLAB_MIN_TOKENS and elements >= SLAB_MIN_ELEMENTS else "fused"
 
 
 def tma_compatible(t: torch.Tensor) -> bool:
@@ -409,7 +420,9 @@ def slab_linear_step(
         raise ValueError(f"slab_bytes must be a positive integer, got {slab_bytes!r}")
     N, K = weight.shape
     _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
-    _prepare_state(spec, names, state, weight)  # validates every state once, with whole-tensor messages
+    # Validated once for the whole tensors; each slab takes row slices of the same kernel arguments
+    # (storage [N, K] and int8 scales [N, K / 64] alike), which keeps the host's cost per slab low.
+    state_args, layouts = _prepare_state(spec, names, state, weight)
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
@@ -420,10 +433,8 @@ def slab_linear_step(
         r1 = min(N, r0 + rows)
         grad = workspace[: r1 - r0]
         torch.matmul(dy2[:, r0:r1].t(), x2, out=grad)
-        w_slab = weight[r0:r1]
-        slab_state = {name: t[r0:r1] for name, t in state.items() if t.dim() > 0}
-        state_args, layouts = _prepare_state(spec, names, slab_state, w_slab)
-        _launch_elementwise(elementwise, w_slab, grad, state_args, layouts, exports, mix_seed(key, r0), rounding)
+        _launch_elementwise(elementwise, weight[r0:r1], grad, [a[r0:r1] for a in state_args], layouts, exports,
+                            mix_seed(key, r0), rounding)
     _commit_scalars(state, scalar_updates)
 
 
