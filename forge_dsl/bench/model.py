@@ -159,6 +159,7 @@ METHODS = {m.name: m for m in (
 PATH_METHODS = {m.name: m for m in (
     Method(f"forge-{state}-{path}", _forge(state, path)) for state in ("bf16", "int8") for path in ("fused", "slab")
 )}
+ALL_METHODS = {**METHODS, **PATH_METHODS}
 
 
 # ---------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def resolve_settings(args, device: torch.device) -> dict:
     models = _choose(args.models, ["tiny-llama"] if cpu else
                      (["llama3.1-8b-2layers"] if args.quick else FULL_MODELS), MODELS, "models")
     methods = _choose(args.methods, ["torch-adamw", "forge-bf16"] if args.quick else list(METHODS),
-                      {**METHODS, **PATH_METHODS}, "methods")
+                      ALL_METHODS, "methods")
     try:
         seqs = [int(s) for s in args.seq.split(",")] if args.seq else \
             ([32] if cpu else ([512] if args.quick else [512, 2048]))
@@ -336,7 +337,7 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
     for name, seq, ckpt, method_name in grid:
         label = f"{name} 1x{seq} ckpt {'on' if ckpt else 'off'} {method_name}"
         progress.show(label)
-        results.add(run_one(name, {**METHODS, **PATH_METHODS}[method_name], seq, ckpt, device, settings))
+        results.add(run_one(name, ALL_METHODS[method_name], seq, ckpt, device, settings))
         free_memory(device)
         progress.advance(label)
     progress.close()

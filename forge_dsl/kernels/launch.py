@@ -34,6 +34,7 @@ _LAYOUT_OF_DTYPE = {
     torch.int8: StateLayout.INT8,
     torch.uint8: StateLayout.UINT8_SQRT,
 }
+_QUANTIZED = (StateLayout.INT8, StateLayout.UINT8_SQRT)  # block-quantized layouts: codes plus per-block scales
 _ROUNDINGS = ("stochastic", "nearest")
 
 
@@ -198,7 +199,7 @@ def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torc
         if layout is None:
             raise ValueError(f"state '{name}' has dtype {t.dtype}; expected float32, bfloat16, int8 or uint8")
         scale = state.get(f"{name}.scale")
-        if layout in (StateLayout.INT8, StateLayout.UINT8_SQRT):
+        if layout in _QUANTIZED:
             rows, cols = as_rows(weight).shape
             if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (rows, n_blocks(cols)):
                 raise ValueError(
@@ -215,7 +216,7 @@ def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torc
 
 def is_quantized(layouts: dict) -> bool:
     """Whether any state (`LAYOUT_<name>` → layout code, as from `_prepare_state`) is int8 / uint8 quantized."""
-    return any(code in (StateLayout.INT8, StateLayout.UINT8_SQRT) for code in layouts.values())
+    return any(code in _QUANTIZED for code in layouts.values())
 
 
 def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
@@ -361,7 +362,8 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
     if path == "auto":
         tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        quantized = any(isinstance(t, torch.Tensor) and t.dtype in (torch.int8, torch.uint8) for t in state.values())
+        quantized = any(_LAYOUT_OF_DTYPE.get(t.dtype) in _QUANTIZED for t in state.values()
+                        if isinstance(t, torch.Tensor))
         path = auto_linear_path(tokens, weight.numel(), x.dtype, weight.device, quantized)
     if path == "slab":
         slab_linear_step(spec, x, dy, weight, state, slab_bytes=slab_bytes, **kwargs)
