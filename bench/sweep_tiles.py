@@ -3,7 +3,8 @@
 Tuning runs on scratch copies of the weight and state (never on live weights).
 Usage:
   python bench/sweep_tiles.py [--case adamw:bf16:4096x4096 ...] [--tokens 512,2048,8192] [--json FILE]
-  python bench/sweep_tiles.py --step [--case adamw:bf16:4096x4096 ...]   (element-wise kernel vs torch fused)
+  python bench/sweep_tiles.py --step [--case adamw:bf16:4096x4096 ...]   (element-wise kernel vs torch fused;
+      GPU time from CUDA graphs)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton
 
 import forge_dsl
 from forge_dsl import kernels
+from forge_dsl.bench.common import graph_ms
 from forge_dsl.kernels import TileConfig, launch
 
 # TileConfig(block_t, block_n, block_k, group_n, num_warps, num_stages, k_halves, tma, ...). docs/PERF.md (v1-v4) has
@@ -40,7 +42,8 @@ CONFIGS = [
 ]
 # (BLOCK_N, BLOCK_K, num_warps) of the element-wise kernel; launch.step_config picks one by shape.
 STEP_CONFIGS = [(16, 256, 8), (16, 256, 4), (8, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4),
-                (64, 64, 4), (64, 128, 8)]
+                (64, 64, 4), (64, 128, 8), (8, 256, 8), (4, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 8),
+                (2, 512, 4), (16, 64, 4), (32, 64, 8), (4, 128, 2), (2, 256, 2)]
 
 
 def hypers(spec_name: str) -> dict:
@@ -50,6 +53,15 @@ def hypers(spec_name: str) -> dict:
 def bench(fn) -> float:
     try:
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    except Exception as err:  # out of resources: a result too
+        print(f"  {type(err).__name__}: {str(err)[:160]}")
+        return float("nan")
+
+
+def graph_bench(fn) -> float:
+    """GPU time per call from a CUDA graph (no host time: the step kernel is shorter than its launch)."""
+    try:
+        return graph_ms(fn, torch.device("cuda"))
     except Exception as err:  # out of resources: a result too
         print(f"  {type(err).__name__}: {str(err)[:160]}")
         return float("nan")
@@ -91,7 +103,7 @@ def sweep_step(spec_name, layout, N, K, rows):
     try:
         for bn, bk, warps in STEP_CONFIGS:
             launch.step_config = lambda rows_, cols, device, c=(bn, bk, warps): c
-            ms = bench(lambda: kernels.step(spec, w, g, state, step=1, **kw))
+            ms = graph_bench(lambda: kernels.step(spec, w, g, state, step=1, **kw))
             rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
                          "config": [bn, bk, warps], "ms": ms})
             print(json.dumps(rows[-1]), flush=True)
@@ -103,6 +115,10 @@ def sweep_step(spec_name, layout, N, K, rows):
         opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
         rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
                      "config": "torch AdamW(fused=True)", "ms": bench(opt.step)})
+        opt_g = torch.optim.AdamW([p], lr=1e-4, fused=True, capturable=True)
+        rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
+                     "config": "torch AdamW(fused=True, capturable=True), CUDA graph", "ms": graph_bench(opt_g.step)})
+        print(json.dumps(rows[-1]), flush=True)
         print(json.dumps(rows[-1]), flush=True)
 
 
