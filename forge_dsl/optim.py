@@ -228,7 +228,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             (`forge_dsl.kernels.linear_step`). "auto" takes the tile-fused kernel, except for bf16
             activations on CUDA from 4097 tokens per step and weights of 4096² elements or more
             (with int8 state: from 2048 tokens, every weight), where cuBLAS dW in 16 MiB row slabs
-            consumed at once by the step kernel measured faster
+            (32 MiB with int8 state) consumed at once by the step kernel measured faster
             (dW then rounded to bf16 as autograd's is; never more than one slab of it exists).
         **hypers: the spec's keywords with torch's names and defaults (`lr`, `betas=(...)`, ...).
 

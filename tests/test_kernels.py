@@ -510,6 +510,20 @@ def test_slab_rows_are_whole_aligned_rows_within_the_budget():
     assert launch.slab_rows(72, 136, 4, 1) == 1  # at least one row
 
 
+def test_slab_bytes_default_by_state_layout(monkeypatch):
+    """Without `slab_bytes`, the slab path takes 16 MiB slabs, and 32 MiB ones with int8 state."""
+    budgets = []
+    real_slab_rows = launch.slab_rows
+    monkeypatch.setattr(launch, "slab_rows", lambda N, K, size, budget: budgets.append(budget) or
+                        real_slab_rows(N, K, size, budget))
+    w, x, dy = make_problem(14, torch.float32)
+    for layout in ("bf16", "int8"):
+        kernels.slab_linear_step("adamw", x, dy, w.clone(), forge_dsl.init_state("adamw", w, layout=layout), step=1)
+    kernels.slab_linear_step("adamw", x, dy, w.clone(), forge_dsl.init_state("adamw", w, layout="int8"), step=1,
+                             slab_bytes=4096)
+    assert budgets == [16 * 2**20, 32 * 2**20, 4096]
+
+
 def test_auto_linear_path():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     big = 4096 * 4096

@@ -37,7 +37,7 @@ import torch
 import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
-from forge_dsl.kernels.launch import SLAB_BYTES, fused_config, slab_rows
+from forge_dsl.kernels.launch import SLAB_BYTES, SLAB_BYTES_QUANTIZED, fused_config, slab_rows
 
 from .common import Progress, Results, UsageError, format_table, free_memory, graph_ms, median_ms, pyplot
 
@@ -311,8 +311,7 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
         kernels.step(spec, w, torch.matmul(dy.t(), x), state, step=STEP, rounding=rounding, **hypers)
 
     def slab(x, dy, w, state):
-        kernels.slab_linear_step(spec, x, dy, w, state, step=STEP, rounding=rounding, slab_bytes=SLAB_BYTES,
-                                 **hypers)
+        kernels.slab_linear_step(spec, x, dy, w, state, step=STEP, rounding=rounding, **hypers)
 
     errors: dict = {}
     row = {"spec": spec_name, "shape": shape.name, "N": shape.N, "K": shape.K, "T": T, "layout": layout,
@@ -322,7 +321,8 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
     row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings, errors, "dw_ours")
     # the extra path: cuBLAS dW in L2-sized row slabs, each consumed by our step kernel (never the whole dW)
     row["slab_ms"] = timed(lambda: rotating(sets, slab), device, settings, errors, "slab")
-    row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, SLAB_BYTES) * shape.K * 2  # bf16 dW
+    slab_bytes = SLAB_BYTES_QUANTIZED if layout == "int8" else SLAB_BYTES  # slab_linear_step's default
+    row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, slab_bytes) * shape.K * 2  # bf16 dW
     row["errors"] = errors
     return row
 

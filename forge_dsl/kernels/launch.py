@@ -347,12 +347,13 @@ SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 acti
 SLAB_MIN_ELEMENTS = 2**24  # ... for layers this large (on k/v, 1024 × 4096, two runs disagreed)
 SLAB_MIN_TOKENS_QUANTIZED = 2048  # with int8 state: from here, on every layer (docs/PERF.md, v5)
 SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
+SLAB_BYTES_QUANTIZED = 32 * 2**20  # with int8 state: two thirds of the L2, half the host's launches (PERF.md, v6)
 LINEAR_PATHS = ("auto", "fused", "slab")
 
 
 def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor,
                 state: MutableMapping[str, torch.Tensor], *, path: str = "auto", tf32: bool = False,
-                config: Optional[TileConfig] = None, slab_bytes: int = SLAB_BYTES, **kwargs: Any) -> None:
+                config: Optional[TileConfig] = None, slab_bytes: Optional[int] = None, **kwargs: Any) -> None:
     """`fused_linear_step` or `slab_linear_step`, whichever is faster for this layer on this device.
 
     path "auto": the slab path for bf16 activations on CUDA from `SLAB_MIN_TOKENS` tokens and layers
@@ -362,7 +363,8 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
     loses (v5); the fused kernel otherwise. The slab's dW is rounded
     to bf16, as autograd's is, and float32 products there follow torch's matmul precision instead
     of `tf32`; the fused kernel keeps dW in fp32. "fused" / "slab" force one. `config` goes to the
-    fused kernel, `slab_bytes` to the slab path; other arguments as for `fused_linear_step`.
+    fused kernel, `slab_bytes` to the slab path (default: by state layout, see `slab_linear_step`); other
+    arguments as for `fused_linear_step`.
     """
     if path not in LINEAR_PATHS:
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
@@ -406,7 +408,7 @@ def slab_linear_step(
     step: int,
     seed: int = 0,
     rounding: str = "stochastic",
-    slab_bytes: int = SLAB_BYTES,
+    slab_bytes: Optional[int] = None,
     **hypers: Any,
 ) -> None:
     """The update of `fused_linear_step`, with dW computed by cuBLAS one slab of rows at a time.
@@ -418,19 +420,23 @@ def slab_linear_step(
     products follow torch's matmul precision. (A bf16 GEMM with an fp32 output, which would keep
     the fused kernel's precision, ran 2–8× slower in torch 2.11: docs/PERF.md, v3.)
 
-    Arguments as for `fused_linear_step`, plus `slab_bytes`. The stochastic-rounding bits are a
-    function of (seed, step, the slab's first row, element index in the slab): not the bits
-    `fused_linear_step` draws.
+    Arguments as for `fused_linear_step`, plus `slab_bytes`: by default `SLAB_BYTES` (16 MiB), and
+    `SLAB_BYTES_QUANTIZED` (32 MiB) with int8 / uint8 state: half the host's launches for the same
+    GPU time, on a path whose short int8 step kernels leave the host little slack (docs/PERF.md, v6). The
+    stochastic-rounding bits are a function of (seed, step, the slab's first row, element index in
+    the slab): not the bits `fused_linear_step` draws.
     """
     spec = load_spec(spec)
     x2, dy2 = _check_linear(x, dy, weight, rounding)
-    if isinstance(slab_bytes, bool) or int(slab_bytes) != slab_bytes or slab_bytes < 1:
-        raise ValueError(f"slab_bytes must be a positive integer, got {slab_bytes!r}")
+    if slab_bytes is not None and (isinstance(slab_bytes, bool) or int(slab_bytes) != slab_bytes or slab_bytes < 1):
+        raise ValueError(f"slab_bytes must be a positive integer or None, got {slab_bytes!r}")
     N, K = weight.shape
     _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
     # Validated once for the whole tensors; each slab takes row slices of the same kernel arguments
     # (storage [N, K] and int8 scales [N, K / 64] alike), which keeps the host's cost per slab low.
     state_args, layouts = _prepare_state(spec, names, state, weight)
+    if slab_bytes is None:
+        slab_bytes = SLAB_BYTES_QUANTIZED if is_quantized(layouts) else SLAB_BYTES
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
