@@ -163,8 +163,8 @@ def launch_token_loop(x, dy, out, cfg: TileConfig) -> None:
     grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(K, cfg.block_k),)
     token_loop_only[grid](xa, dya, out, T, N, K, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
                           BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-                          K_HALVES=cfg.k_halves, TMA=cfg.tma, DOT_FP32=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                          maxnreg=cfg.maxnreg)
+                          K_HALVES=cfg.k_halves, TMA=cfg.tma, DOT_FP32=interpreting(), num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
 
 
 def launch_adamw_ws(x, dy, w, state, cfg, *, seed: int = 1234, programs: int = 0) -> None:
@@ -190,7 +190,8 @@ def main(argv=None) -> None:
     ap.add_argument("--case", action="append", help="spec:layout:NxK (repeatable; default adamw:bf16:4096x4096)")
     ap.add_argument("--tokens", default="512,2048,8192")
     ap.add_argument("--config", action="append", default=[],
-                    help="a tile config to time beside the default, BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R] "
+                    help="a tile config to time beside the default, "
+                         "BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R] "
                          "(repeatable; default: the list in CONFIGS)")
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialized persistent experiment")
     ap.add_argument("--json", default=None)
@@ -224,7 +225,8 @@ def summary(rows: list) -> str:
              f"{'vs torch':>8}"]
     for (spec, layout, N, K, T), v in by_case.items():
         lines.append(f"{spec}:{layout}:{N}x{K}".rjust(24) + f" {T:>5}  floor {v['floor']:.3f}, cuBLAS dW "
-                     f"{v['cuBLAS dW']:.3f}, our step {v['our step']:.3f}, torch pair {v.get('torch pair', float('nan')):.3f}")
+                     f"{v['cuBLAS dW']:.3f}, our step {v['our step']:.3f}, "
+                     f"torch pair {v.get('torch pair', float('nan')):.3f}")
         for name in (w[len("fused | "):] for w in v if w.startswith("fused | ")):
             f, t, e = v[f"fused | {name}"], v[f"token loop | {name}"], v[f"epilogue | {name}"]
             lines.append(f"{'':>24} {'':>5}  {name:<44} {f:>7.3f} {t:>7.3f} {e:>7.3f} {(t + e - f) / min(t, e):>6.2f} "

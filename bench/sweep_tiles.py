@@ -50,18 +50,13 @@ def hypers(spec_name: str) -> dict:
     return {"lr": 1e-4, **({"momentum": 0.9} if spec_name == "sgd_momentum" else {})}
 
 
-def bench(fn) -> float:
+def bench(fn, graph: bool = False) -> float:
+    """Median ms of `fn`: triton's do_bench (host launch time included), or with `graph` the GPU time
+    per call from a CUDA graph (the step kernel is shorter than its launch); NaN if it fails."""
     try:
+        if graph:
+            return graph_ms(fn, torch.device("cuda"))
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-    except Exception as err:  # out of resources: a result too
-        print(f"  {type(err).__name__}: {str(err)[:160]}")
-        return float("nan")
-
-
-def graph_bench(fn) -> float:
-    """GPU time per call from a CUDA graph (no host time: the step kernel is shorter than its launch)."""
-    try:
-        return graph_ms(fn, torch.device("cuda"))
     except Exception as err:  # out of resources: a result too
         print(f"  {type(err).__name__}: {str(err)[:160]}")
         return float("nan")
@@ -103,7 +98,7 @@ def sweep_step(spec_name, layout, N, K, rows):
     try:
         for bn, bk, warps in STEP_CONFIGS:
             launch.step_config = lambda rows_, cols, device, c=(bn, bk, warps): c
-            ms = graph_bench(lambda: kernels.step(spec, w, g, state, step=1, **kw))
+            ms = bench(lambda: kernels.step(spec, w, g, state, step=1, **kw), graph=True)
             rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
                          "config": [bn, bk, warps], "ms": ms})
             print(json.dumps(rows[-1]), flush=True)
@@ -117,7 +112,8 @@ def sweep_step(spec_name, layout, N, K, rows):
                      "config": "torch AdamW(fused=True)", "ms": bench(opt.step)})
         opt_g = torch.optim.AdamW([p], lr=1e-4, fused=True, capturable=True)
         rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
-                     "config": "torch AdamW(fused=True, capturable=True), CUDA graph", "ms": graph_bench(opt_g.step)})
+                     "config": "torch AdamW(fused=True, capturable=True), CUDA graph",
+                     "ms": bench(opt_g.step, graph=True)})
         print(json.dumps(rows[-1]), flush=True)
         print(json.dumps(rows[-1]), flush=True)
 

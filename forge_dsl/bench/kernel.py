@@ -37,7 +37,7 @@ import torch
 import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
-from forge_dsl.kernels.launch import SLAB_BYTES, SLAB_BYTES_QUANTIZED, fused_config, slab_rows
+from forge_dsl.kernels.launch import default_slab_bytes, fused_config, slab_rows
 
 from .common import Progress, Results, UsageError, format_table, free_memory, graph_ms, median_ms, pyplot
 
@@ -321,8 +321,7 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
     row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings, errors, "dw_ours")
     # the extra path: cuBLAS dW in L2-sized row slabs, each consumed by our step kernel (never the whole dW)
     row["slab_ms"] = timed(lambda: rotating(sets, slab), device, settings, errors, "slab")
-    slab_bytes = SLAB_BYTES_QUANTIZED if layout == "int8" else SLAB_BYTES  # slab_linear_step's default
-    row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, slab_bytes) * shape.K * 2  # bf16 dW
+    row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, default_slab_bytes(layout == "int8")) * shape.K * 2  # bf16 dW
     row["errors"] = errors
     return row
 

@@ -436,7 +436,7 @@ def slab_linear_step(
     # (storage [N, K] and int8 scales [N, K / 64] alike), which keeps the host's cost per slab low.
     state_args, layouts = _prepare_state(spec, names, state, weight)
     if slab_bytes is None:
-        slab_bytes = SLAB_BYTES_QUANTIZED if is_quantized(layouts) else SLAB_BYTES
+        slab_bytes = default_slab_bytes(is_quantized(layouts))
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
@@ -450,6 +450,12 @@ def slab_linear_step(
         _launch_elementwise(elementwise, weight[r0:r1], grad, [a[r0:r1] for a in state_args], layouts, exports,
                             mix_seed(key, r0), rounding)
     _commit_scalars(state, scalar_updates)
+
+
+def default_slab_bytes(quantized: bool) -> int:
+    """`slab_linear_step`'s dW budget when none is given: `SLAB_BYTES_QUANTIZED` with int8 / uint8 state
+    (`quantized`), `SLAB_BYTES` otherwise."""
+    return SLAB_BYTES_QUANTIZED if quantized else SLAB_BYTES
 
 
 def slab_rows(N: int, K: int, element_size: int, slab_bytes: int) -> int:
