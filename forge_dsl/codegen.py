@@ -213,17 +213,18 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
 
     raw = ["r_param"] + [name for s in states for name in (f"r_{s}", f"q_{s}")]
 
-    def load_args(weight: str, indent: str, block_k: str = "BLOCK_K") -> str:
+    def load_args(weight: str, indent: str, block_k: str = "BLOCK_K", block_n: str = "BLOCK_N",
+                  prefix: str = "") -> str:
         return _wrapped_args(
-            [weight, *state_ptrs, "offs", "mask", "offs_n", "k_start", "n_blocks", "W_BF16", *layouts, "BLOCK_N",
-             block_k],
+            [weight, *state_ptrs, f"{prefix}offs", f"{prefix}mask", f"{prefix}offs_n", "k_start", "n_blocks", "W_BF16",
+             *layouts, block_n, block_k],
             indent,
         )
 
-    def apply_args(weight: str, grad: str, indent: str, block_k: str = "BLOCK_K") -> str:
+    def apply_args(weight: str, grad: str, indent: str, block_k: str = "BLOCK_K", block_n: str = "BLOCK_N") -> str:
         return _wrapped_args(
             [weight, *state_ptrs, *exports, grad, *raw, "offs", "mask", "offs_n", "k_start", *common,
-             *layouts, "BLOCK_N", block_k],
+             *layouts, block_n, block_k],
             indent,
         )
 
@@ -241,6 +242,15 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
                                               (4, [(f"acc_{i}", f"k_start + {i} * SLICE_K" if i else "k_start")
                                                    for i in range(4)]))},
         "apply_step": apply_args("P", "b_grad", " " * 8),
+        # the warp-specialized kernel's epilogue partition: [SLICE_N, BK] row slices
+        "load_args_ws": load_args("W", " " * 12, "BK", "SLICE_N"),
+        "load_args_ws_inner": load_args("W", " " * 20, "BK", "SLICE_N"),
+        "load_args_ws_next": load_args("W", " " * 20, "BK", "SLICE_N", prefix="next_"),
+        "next_raw": [f"next_{name}" for name in raw],
+        "apply_ws": apply_args("W", "acc", " " * 16, "BK", "SLICE_N"),
+        "epilogue_ws_args": _wrapped_args(["W", *state_ptrs, *exports, "acc_smem", "acc_ready", "acc_empty", "seed",
+                                           "N", "K", "n_blocks", "W_BF16", "STOCHASTIC", *layouts, "NUM_PROGRAMS",
+                                           "GROUP_N", "SLICE_N", "EPILOGUE_WARPS", "PREFETCH"], " " * 12),
         "index": index,
         "combo": describe_combo(low.combo) or "no flags",
         "combo_key": repr(tuple(low.combo)),

@@ -16,6 +16,7 @@ Tolerances follow from what each layout rounds (see `bound`):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -190,11 +191,36 @@ SPLIT_CONFIGS = {q: kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, t
                  for q in (False, True)}
 
 
+# The warp-specialized kernel (Hopper GPUs only: Gluon has no interpreter), with 4 MMA warps, 4 epilogue
+# warps on 32-row slices and 32-token blocks: one program per tile here (72 × 136 is two ragged tiles).
+WS_CONFIG = kernels.TileConfig(32, 128, 128, num_warps=4, num_stages=2, tma=True, epilogue_split=4, mma_warps=4)
+
+
+def hopper_with_gluon() -> bool:
+    return launch._hopper_with_gluon(DEVICE)
+
+
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
 @pytest.mark.parametrize("layout", ["fp32", "bf16", "int8", "mixed"])
 @pytest.mark.parametrize("fused", [True, "halves", "split", False, "slab"], ids=["fused", "halves", "split", "step", "slab"])
 @pytest.mark.parametrize("name", SPECS)
 def test_layouts(name, fused, layout, w_dtype):
+    check_layouts(name, fused, layout, w_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+@pytest.mark.parametrize("layout", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", SPECS)
+def test_layouts_warp_specialized(name, layout, prefetch):
+    """`test_layouts` for the warp-specialized kernel: bf16 weights and activations, fp32 or bf16 state (what
+    it takes; the refusals are in test_warp_specialized_configs_are_refused_where_they_cannot_run)."""
+    if not hopper_with_gluon():
+        pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU (Gluon has no interpreter)")
+    check_layouts(name, "ws" if prefetch else "ws-no-prefetch", layout, torch.bfloat16)
+
+
+def check_layouts(name, fused, layout, w_dtype):
     spec = forge_dsl.load_spec(name)
     kw = hypers_for(name)
     w, x, dy = make_problem(3, w_dtype)
@@ -212,7 +238,8 @@ def test_layouts(name, fused, layout, w_dtype):
             slab_bytes = 20 * 136 * x.element_size()
             kernels.slab_linear_step(spec, x, dy, w, state, step=step, seed=7, slab_bytes=slab_bytes, **kw)
         elif fused:
-            config = {"halves": HALVES_CONFIG, "split": SPLIT_CONFIGS[layout in ("int8", "mixed")]}.get(fused)
+            config = {"halves": HALVES_CONFIG, "split": SPLIT_CONFIGS[layout in ("int8", "mixed")],
+                      "ws": WS_CONFIG, "ws-no-prefetch": dataclasses.replace(WS_CONFIG, prefetch=False)}.get(fused)
             kernels.fused_linear_step(spec, x, dy, w, state, step=step, seed=7, config=config, **kw)
         else:
             kernels.step(spec, w, dw.float().to(DEVICE), state, step=step, seed=7, **kw)
@@ -343,16 +370,33 @@ def test_tile_configs_are_validated():
 
 
 def test_default_tile_configs_on_the_h200():
-    """docs/PERF.md, v4 and v5: 128×128 tiles with a quarter-slice epilogue in 128 registers, except 64×64
-    tiles up to 512 tokens on layers of 2^24 elements and more, and up to 1024 on layers under 2^22; int8
-    state and float32 activations have their own tiles."""
+    """docs/PERF.md, v7: the warp-specialized kernel on layers of 2^22 elements and more (bf16 activations,
+    fp32 / bf16 state, a Hopper GPU with Gluon); v4 and v5 otherwise: 128×128 tiles with a quarter-slice
+    epilogue in 128 registers, except 64×64 tiles up to 512 tokens on layers of 2^24 elements and more,
+    and up to 1024 on layers under 2^22; int8 state and float32 activations have their own tiles."""
     cuda = torch.device("cuda")
-    split = launch.fused_config(2048, 4096, 4096, cuda)
+    ws = launch.fused_config(2048, 4096, 4096, cuda, hopper=True)
+    assert (ws.block_n, ws.block_k, ws.num_stages, ws.epilogue_split, ws.mma_warps, ws.num_warps) == \
+        (128, 128, 4, 4, 8, 8)
+    assert ws.launch_maxnreg == 96  # 20 warps share an SM's 64 K registers
+    assert ws.prefetch  # bf16 weights and two bf16 states: 6 bytes per element
+    assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, stored_bytes=10).prefetch  # two fp32 states
+    assert launch.stored_bytes(True, {"LAYOUT_m": 1, "LAYOUT_v": 0}) == 8
+    assert launch.stored_bytes(False, {"LAYOUT_m": 2}) == 5
+    for T, n, k in ((512, 4096, 4096), (8192, 14336, 4096), (2048, 128256, 4096), (512, 1024, 4096)):
+        assert launch.fused_config(T, n, k, cuda, hopper=True) == ws
+    assert not launch.fused_config(2048, 1024, 2048, cuda, hopper=True).warp_specialized  # 128 tiles: idle SMs
+    assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, warp_specialize=False).warp_specialized
+    assert not launch.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=True).warp_specialized
+    assert not launch.fused_config(2048, 4096, 4096, cuda, activations=torch.float32, hopper=True).warp_specialized
+    # without warp specialization (other GPUs, or no Gluon)
+    split = launch.fused_config(2048, 4096, 4096, cuda, hopper=False)
     assert (split.block_n, split.block_k, split.epilogue_split, split.maxnreg, split.tma) == (128, 128, 4, 128, True)
-    assert launch.fused_config(512, 1024, 4096, cuda) == split  # k/v: 256 tiles of 128×128
-    assert launch.fused_config(8192, 14336, 4096, cuda) == split
-    assert launch.fused_config(1024, 4096, 4096, cuda) == split  # v5: 128×128 measured faster from 1024 tokens
-    for small in (launch.fused_config(512, 4096, 4096, cuda), launch.fused_config(1024, 512, 512, cuda)):
+    assert launch.fused_config(512, 1024, 4096, cuda, hopper=False) == split  # k/v: 256 tiles of 128×128
+    assert launch.fused_config(8192, 14336, 4096, cuda, hopper=False) == split
+    assert launch.fused_config(1024, 4096, 4096, cuda, hopper=False) == split  # v5: 128×128 faster from 1024 tokens
+    for small in (launch.fused_config(512, 4096, 4096, cuda, hopper=False),
+                  launch.fused_config(1024, 512, 512, cuda, hopper=False)):
         assert (small.block_n, small.block_k, small.epilogue_split, small.maxnreg) == (64, 64, 1, None)
     int8 = launch.fused_config(2048, 4096, 4096, cuda, quantized=True)  # v5: 128×64, two programs per SM
     assert (int8.block_n, int8.block_k, int8.epilogue_split, int8.maxnreg, int8.tma) == (128, 64, 1, 128, True)
@@ -362,7 +406,47 @@ def test_default_tile_configs_on_the_h200():
     for T in (1, 512, 2048, 8192):
         for n, k in ((4096, 4096), (1024, 4096), (128256, 4096), (64, 64)):
             for quantized in (False, True):
-                launch.check_config(launch.fused_config(T, n, k, cuda, quantized), quantized)
+                for hopper in (False, True):
+                    launch.check_config(launch.fused_config(T, n, k, cuda, quantized, hopper=hopper), quantized)
+
+
+def test_warp_specialized_configs_are_refused_where_they_cannot_run():
+    """A warp-specialized config (mma_warps > 0) is validated when made, and refused before any launch
+    where its kernel cannot run, with what to use instead; `fused_config` falls back to the Triton
+    kernel by itself (activations a TMA descriptor cannot read: no tokens, here)."""
+    for bad, message in ((dict(mma_warps=2), "mma_warps must be 0"),
+                         (dict(mma_warps=8, k_halves=True, epilogue_split=2), "128×128 tiles, whole"),
+                         (dict(mma_warps=8, mma_registers=100), "mma_registers must be a multiple of 8")):
+        with pytest.raises(ValueError, match=message):
+            kernels.TileConfig(64, 128, 128, **bad)
+    with pytest.raises(ValueError, match="128×128 tiles"):
+        kernels.TileConfig(64, 64, 128, mma_warps=8)
+    assert kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8") == kernels.TileConfig(
+        64, 128, 128, num_warps=8, num_stages=4, tma=True, epilogue_split=4, mma_warps=8, mma_registers=104)
+    assert kernels.TileConfig(32, 128, 128, num_warps=4, mma_warps=4).mma_registers == 200
+    w, x, dy = make_problem(4, torch.bfloat16)
+    cases = [("int8", x, WS_CONFIG, "takes fp32 and bf16 state; int8 state runs on the Triton kernel")]
+    if hopper_with_gluon():
+        cases += [("bf16", x.float(), WS_CONFIG, "multiplies bfloat16 activations"),
+                  ("bf16", x[:0], WS_CONFIG, "reads x and dy through TMA")]
+    else:
+        cases += [("bf16", x, WS_CONFIG, "runs only compiled on a Hopper GPU")]
+    for layout, xs, config, message in cases:
+        state = forge_dsl.init_state("adamw", w, layout=layout)
+        before = w.clone()
+        with pytest.raises(ValueError, match=message):
+            kernels.fused_linear_step("adamw", xs, dy[:xs.shape[0]].to(xs.dtype), w, state, step=1, config=config)
+        assert torch.equal(w, before)  # refused before any launch
+    if hopper_with_gluon():  # a layer that takes the warp-specialized default, with column-major activations
+        big = torch.randn(4096, 4096, device=DEVICE).to(torch.bfloat16)
+        xs = torch.randn(4096, 16, device=DEVICE).to(torch.bfloat16).t()  # [16, 4096], strides (1, 16)
+        dys = torch.randn(16, 4096, device=DEVICE).to(torch.bfloat16)
+        assert not launch.tma_compatible(xs)
+        ref, state = big.clone(), forge_dsl.init_state("adamw", big, layout="bf16")
+        kernels.step("adamw", ref, dys.float().T @ xs.float(), forge_dsl.init_state("adamw", big, layout="bf16"),
+                     step=1, seed=3)
+        kernels.fused_linear_step("adamw", xs, dys, big, state, step=1, seed=3)  # the Triton kernel's tiles
+        assert (big.view(torch.int16) != ref.view(torch.int16)).float().mean().item() <= 1e-3
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "lion"])
@@ -527,9 +611,10 @@ def test_slab_bytes_default_by_state_layout(monkeypatch):
 def test_auto_linear_path():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     big = 4096 * 4096
-    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda) == "slab"
-    assert launch.auto_linear_path(4096, big, torch.bfloat16, cuda) == "fused"
-    assert launch.auto_linear_path(8192, 1024 * 4096, torch.bfloat16, cuda) == "fused"  # k/v: not measured faster
+    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=False) == "slab"
+    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=True) == "fused"  # v7: warp-specialized
+    assert launch.auto_linear_path(4096, big, torch.bfloat16, cuda, hopper=False) == "fused"
+    assert launch.auto_linear_path(8192, 1024 * 4096, torch.bfloat16, cuda, hopper=False) == "fused"  # k/v
     assert launch.auto_linear_path(8192, big, torch.float32, cuda) == "fused"  # fp32: the fused kernel's exact product
     assert launch.auto_linear_path(8192, big, torch.bfloat16, cpu) == "fused"
     # int8 state: the slab path from 2048 tokens, on every layer (v5)

@@ -32,6 +32,11 @@ CASES = [(name, layout, {"momentum": 0.9} if name == "sgd_momentum" else {}, Non
          for name in forge_dsl.builtin_names() for layout in ("bf16", "int8")]
 CASES += [("rmsprop", "bf16", h, None, "bf16")
           for h in ({"momentum": 0.9}, {"centered": True}, {"centered": True, "momentum": 0.9})]
+# the warp-specialized kernel (the default above for bf16 state where this Triton has Gluon) with fp32
+# state, and with 4 MMA and 4 epilogue warps
+CASES += [(name, "fp32", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,4,split=4,ws=8,prefetch=0",
+           "bf16") for name in forge_dsl.builtin_names()]
+CASES += [("adamw", "bf16", {}, "32,128,128,4,2,split=4,ws=4", "bf16")]
 CASES += [("adamw", "bf16", {}, "64,64,64,4,4,0,1", "bf16"), ("adamw", "bf16", {}, "64,64,64,4,4", "bf16"),
           ("adamw", "int8", {}, "128,64,64,4,3", "bf16"), ("adamw", "bf16", {}, None, "fp32"),
           ("adamw", "int8", {}, None, "tf32")]
@@ -52,9 +57,11 @@ print(json.dumps([asdict(compile_fused(name, layout, TileConfig.parse(config) if
 def _default_config(layout, activations):
     import torch
 
+    from forge_dsl.kernels import gluon_lib
     from forge_dsl.kernels.launch import fused_config
     return fused_config(2048, 4096, 4096, torch.device("cuda"), layout == "int8",
-                        torch.float32 if activations != "bf16" else torch.bfloat16)
+                        torch.float32 if activations != "bf16" else torch.bfloat16, hopper=gluon_lib.AVAILABLE,
+                        stored_bytes=6)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +84,9 @@ def test_fused_kernel_compiles_for_sm90_without_spills(resources, index):
     cfg = TileConfig.parse(config) if config else _default_config(layout, activations)
     # int8 state's epilogue (block absmax and quantization) holds more: its capped 128×64 tiles spill up
     # to 232 B (NAdam, Triton 3.6) and still measured 6–25 % faster than 64×64 tiles without spills (v5).
-    allowed = (400 if layout == "int8" else 96) if cfg.maxnreg else 0
+    # The warp-specialized kernel's partitions share 64 K registers (96 per thread at launch): NAdam's epilogue
+    # spills 40 B with Triton 3.9, none with 3.6.
+    allowed = (400 if layout == "int8" else 96) if cfg.launch_maxnreg else 0
     assert res["stack_bytes"] <= allowed, f"{CASES[index]} spills: {res}"
     assert res["registers"] <= 255
     assert res["shared_bytes"] <= SHARED_MEMORY_PER_PROGRAM, f"{CASES[index]} cannot launch: {res}"

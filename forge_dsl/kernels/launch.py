@@ -15,6 +15,7 @@ Triton interpreter (`TRITON_INTERPRET=1` must be set before triton is imported).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, MutableMapping, Optional
@@ -53,6 +54,13 @@ class TileConfig:
     # the epilogue runs on 1, 2 or 4 column slices of the tile, one at a time (default: 2 with k_halves, else 1)
     epilogue_split: Optional[int] = None
     maxnreg: Optional[int] = None  # cap on registers per thread (more programs per SM; the rest spills)
+    # Warp-specialized kernel (`fused_ws_v<i>`, Hopper GPUs, forge_dsl/kernels/gluon_lib.py) when mma_warps is 4
+    # or 8: one persistent program per SM, a TMA loader warp, mma_warps warps of wgmma (mma_registers each),
+    # num_warps epilogue warps, num_stages ring buffers; the epilogue reads a tile in epilogue_split row slices.
+    mma_warps: int = 0
+    mma_registers: Optional[int] = None
+    # the warp-specialized epilogue loads each slice's weights and state before it updates the slice before
+    prefetch: bool = True
 
     def __post_init__(self):
         if self.epilogue_split is None:
@@ -63,6 +71,28 @@ class TileConfig:
             raise ValueError("k_halves accumulates two column halves: give it epilogue_split=2 or 4")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"maxnreg must be in [24, 255] registers per thread, got {self.maxnreg}")
+        if self.mma_warps not in (0, 4, 8):
+            raise ValueError(f"mma_warps must be 0 (the Triton kernel), 4 or 8 (warp-specialized), got {self.mma_warps}")
+        if self.mma_warps:
+            if (self.block_n, self.block_k) != (128, 128) or self.k_halves or self.block_t % 16:
+                raise ValueError("the warp-specialized kernel (mma_warps > 0) takes 128×128 tiles, whole (no "
+                                 f"k_halves), and block_t a multiple of 16, got {self}")
+            if self.mma_registers is None:
+                object.__setattr__(self, "mma_registers", 104 if self.mma_warps == 8 else 200)
+            if not (24 <= self.mma_registers <= 256 and self.mma_registers % 8 == 0):
+                raise ValueError(f"mma_registers must be a multiple of 8 in [24, 256], got {self.mma_registers}")
+
+    @property
+    def warp_specialized(self) -> bool:
+        return self.mma_warps > 0
+
+    @property
+    def launch_maxnreg(self) -> Optional[int]:
+        """`maxnreg` of the launch: with warp specialization, the 64 K registers of an SM shared by every warp of
+        its one program (the loader's warp group counts 4), which the partitions then redistribute."""
+        if not self.warp_specialized or self.maxnreg is not None:
+            return self.maxnreg
+        return min(255, 65536 // ((self.num_warps + 4 + self.mma_warps) * 32)) // 8 * 8
 
     @property
     def tma_blocks(self) -> tuple[list[int], list[int]]:
@@ -71,29 +101,34 @@ class TileConfig:
 
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
-        """'BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R]' → a TileConfig; HALVES and TMA are 0 or
-        1, S 1, 2 or 4 (2 when HALVES is 1 and no split is given), R registers per thread.
+        """'BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R][,ws=M][,mmaregs=R][,prefetch=P]' → a
+        TileConfig; HALVES and TMA are 0 or 1, S 1, 2 or 4 (2 when HALVES is 1 and no split is given), R
+        registers per thread, M the warp-specialized kernel's MMA warps (4 or 8; it reads through TMA), P 0 or 1.
         '64,128,128,8,3,0,1,split=4,maxnreg=128' → TileConfig(64, 128, 128, num_warps=8, num_stages=3, tma=True,
-        epilogue_split=4, maxnreg=128)."""
+        epilogue_split=4, maxnreg=128); '64,128,128,8,4,split=4,ws=8' → the warp-specialized default."""
         keywords = {}
         try:
             tokens = text.split(",")
             values = [int(v) for v in tokens if "=" not in v]
             for token in (t for t in tokens if "=" in t):
                 key, value = token.split("=")
-                if key.strip() not in ("split", "maxnreg") or key.strip() in keywords:
+                if key.strip() not in ("split", "maxnreg", "ws", "mmaregs", "prefetch") or key.strip() in keywords:
                     raise ValueError
                 keywords[key.strip()] = int(value)
             if len(values) not in (5, 6, 7) or any(v not in (0, 1) for v in values[5:]):
                 raise ValueError
         except ValueError:
             raise ValueError("a tile config is five integers BT,BN,BK,WARPS,STAGES, then optionally HALVES and TMA "
-                             f"(0 or 1), split=1|2|4 and maxnreg=REGISTERS, got {text!r}") from None
+                             "(0 or 1), split=1|2|4, maxnreg=REGISTERS, ws=MMA_WARPS, mmaregs=REGISTERS and "
+                             "prefetch=0|1, "
+                             f"got {text!r}") from None
         bt, bn, bk, warps, stages, *rest = values
         halves = bool(rest[0]) if rest else False
+        ws = keywords.get("ws", 0)
         return cls(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, k_halves=halves,
-                   tma=bool(rest[1]) if len(rest) > 1 else False, epilogue_split=keywords.get("split"),
-                   maxnreg=keywords.get("maxnreg"))
+                   tma=bool(rest[1]) if len(rest) > 1 else bool(ws), epilogue_split=keywords.get("split"),
+                   maxnreg=keywords.get("maxnreg"), mma_warps=ws, mma_registers=keywords.get("mmaregs"),
+                   prefetch=bool(keywords.get("prefetch", 1)))
 
 
 def interpreting() -> bool:
@@ -101,10 +136,22 @@ def interpreting() -> bool:
 
 
 def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool = False,
-                 activations: torch.dtype = torch.bfloat16) -> TileConfig:
+                 activations: torch.dtype = torch.bfloat16, warp_specialize: bool = True,
+                 hopper: Optional[bool] = None, stored_bytes: int = 6) -> TileConfig:
     """Tiles for the fused kernel: large in the interpreter (few programs), H200-measured on CUDA.
 
-    From bench/anatomy.py and bench/sweep_tiles.py on the H200 (docs/PERF.md, v2 to v4), for bf16
+    On Hopper (sm_90) with Gluon, for bf16 activations, fp32 / bf16 state and layers of 2^22 elements
+    and more (at least 256 tiles of 128×128 for 132 SMs): the warp-specialized kernel (docs/PERF.md, v7:
+    its epilogue overlaps the next tile's token loop; faster than the Triton kernel on every Llama-3.1-8B
+    shape and token count measured, level at 8192 tokens on k/v), 128×128 tiles, a 4-buffer TMA ring,
+    8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it out (activations a TMA descriptor cannot read).
+    `hopper`: whether `device` is such a GPU (default: ask it; pass True to plan for one from anywhere).
+    Its epilogue prefetches the next slice's weights and state when they take at most
+    `WS_PREFETCH_MAX_BYTES` bytes per element (`stored_bytes`, e.g. 6 for bf16 weights and two bf16
+    states): 11–15 % faster at 512 tokens with AdamW's bf16 state; with two fp32 states the prefetched
+    registers spill and it is 13–27 % slower (v7).
+
+    Otherwise, from bench/anatomy.py and bench/sweep_tiles.py on the H200 (docs/PERF.md, v2 to v4), for bf16
     activations and fp32 / bf16 state:
     * 128×128 tiles whose epilogue runs on quarter-width slices split from the accumulator in
       registers, capped at 128 registers per thread so two programs share an SM (one's epilogue
@@ -125,6 +172,11 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     if activations == torch.float32:
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=4)
     large = N * K >= 2**24
+    if hopper is None:
+        hopper = _hopper_with_gluon(device)
+    if warp_specialize and hopper and N * K >= 2**22 and not quantized:
+        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=True,
+                          epilogue_split=4, mma_warps=8, prefetch=stored_bytes <= WS_PREFETCH_MAX_BYTES)
     if quantized:
         if T <= 4096:
             return TileConfig(block_t=64, block_n=128, block_k=64, group_n=8, num_warps=8, num_stages=4, tma=True,
@@ -136,6 +188,24 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
                       epilogue_split=4, maxnreg=128)
 
 
+WS_PREFETCH_MAX_BYTES = 6  # the warp-specialized epilogue's prefetch fits its registers up to this (see fused_config)
+_STORED_BYTES = {StateLayout.FP32: 4, StateLayout.BF16: 2, StateLayout.INT8: 1, StateLayout.UINT8_SQRT: 1}
+
+
+def stored_bytes(w_bf16: bool, layouts: dict) -> int:
+    """Bytes per element of a weight (bf16 or fp32) and its states (`LAYOUT_<name>` → layout code)."""
+    return (2 if w_bf16 else 4) + sum(_STORED_BYTES[StateLayout(code)] for code in layouts.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_with_gluon(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (sm_90) and this Triton has Gluon: where `fused_ws_v<i>` runs."""
+    from . import gluon_lib
+
+    return (device.type == "cuda" and gluon_lib.AVAILABLE and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
 def check_config(cfg: TileConfig, quantized: bool) -> None:
     """Refuse a tile config the fused kernel cannot run: blocks that are powers of two ≥ 16, BLOCK_K a
     multiple of 64, and with quantized state, epilogue slices that hold whole 64-element scale blocks."""
@@ -145,6 +215,9 @@ def check_config(cfg: TileConfig, quantized: bool) -> None:
             raise ValueError(f"{name} must be a power of two ≥ 16, got {v} in {cfg}")
     if cfg.block_k % BLOCK:
         raise ValueError(f"block_k must be a multiple of {BLOCK}, got {cfg}")
+    if cfg.warp_specialized and quantized:
+        raise ValueError(f"the warp-specialized kernel (mma_warps > 0) takes fp32 and bf16 state; int8 state runs "
+                         f"on the Triton kernel: use a config without mma_warps, got {cfg}")
     slice_k = cfg.block_k // cfg.epilogue_split
     if quantized and slice_k % BLOCK:
         raise ValueError(f"the epilogue's slices (block_k / epilogue_split = {slice_k} columns) must be a multiple of "
@@ -236,7 +309,7 @@ def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
 def _variant(spec, hypers: dict, step: int, state):
     cfg = resolve_hypers(spec, hypers)
     module = compiled_module(spec)
-    host, fused, elementwise, names = module.VARIANTS[cfg.combo]
+    host, fused, fused_ws, elementwise, names = module.VARIANTS[cfg.combo]
     if isinstance(step, bool) or int(step) != step or step < 1:
         raise ValueError(f"step must be a positive integer (1 for the first step), got {step!r}")
     scalars = {s.name: float(state[s.name]) for s in spec.scalars if s.name in state}
@@ -244,7 +317,7 @@ def _variant(spec, hypers: dict, step: int, state):
     if missing:
         raise ValueError(f"state has no scalar state {missing}; create it with forge_dsl.init_state")
     exports, scalar_updates = host(cfg.hypers, int(step), scalars)
-    return fused, elementwise, names, exports, scalar_updates
+    return fused, fused_ws, elementwise, names, exports, scalar_updates
 
 
 def _commit_scalars(state, scalar_updates: dict[str, float]) -> None:
@@ -310,14 +383,22 @@ def fused_linear_step(
     N, K = weight.shape
     T = x2.shape[0]
     w_view, w_bf16 = _weight_view(weight, "weight")
-    fused, _, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    fused, fused_ws, _, names, exports, scalar_updates = _variant(spec, hypers, step, state)
     state_args, layouts = _prepare_state(spec, names, state, weight)
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
     quantized = is_quantized(layouts)
-    cfg = config or fused_config(T, N, K, weight.device, quantized, x2.dtype)
+    tma_ok = tma_compatible(x2) and tma_compatible(dy2)
+    cfg = config or fused_config(T, N, K, weight.device, quantized, x2.dtype, warp_specialize=tma_ok,
+                                 stored_bytes=stored_bytes(w_bf16, layouts))
     check_config(cfg, quantized)
+    if cfg.warp_specialized:
+        _check_warp_specialized(fused_ws, x2, weight, tma_ok, cfg)
+        _launch_warp_specialized(fused_ws, cfg, x2, dy2, w_view, w_bf16, state_args, layouts, exports,
+                                 mix_seed(seed, step), rounding)
+        _commit_scalars(state, scalar_updates)
+        return
     dot_fp32 = interpreting() or x.dtype == torch.float32
     precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
     grid = (triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k),)
@@ -343,7 +424,44 @@ def fused_linear_step(
     _commit_scalars(state, scalar_updates)
 
 
-SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA) ...
+def _check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tma_ok: bool, cfg: TileConfig) -> None:
+    """Refuse a warp-specialized config where `fused_ws_v<i>` cannot run, saying what to use instead."""
+    if fused_ws is None:
+        raise ValueError(f"{cfg} asks for the warp-specialized kernel, which needs Triton ≥ 3.6 with Gluon; "
+                         "use a config without mma_warps")
+    if weight.device.type != "cuda" or interpreting():
+        raise ValueError(f"{cfg} asks for the warp-specialized kernel, which runs only compiled on a Hopper GPU "
+                         "(Gluon has no interpreter); use a config without mma_warps")
+    if x2.dtype != torch.bfloat16:
+        raise ValueError(f"the warp-specialized kernel multiplies bfloat16 activations, got {x2.dtype}; "
+                         "use a config without mma_warps")
+    if not tma_ok:
+        raise ValueError("the warp-specialized kernel reads x and dy through TMA: both need at least one token, rows "
+                         "of contiguous elements, 16-byte aligned starts and row strides; use a config without "
+                         "mma_warps")
+
+
+def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, state_args, layouts,
+                             exports, seed: int, rounding: str) -> None:
+    """One launch of `fused_ws_v<i>`: one persistent program per SM (at most one per tile)."""
+    from . import gluon_lib
+
+    T, K = x2.shape
+    N = dy2.shape[1]
+    x_desc = gluon_lib.descriptor(x2, [cfg.block_t, cfg.block_k])
+    dy_desc = gluon_lib.descriptor(dy2, [cfg.block_t, cfg.block_n])
+    programs = min(gluon_lib.sm_count(x2.device), triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k))
+    fused_ws[(programs,)](
+        x_desc, dy_desc, w_view, *state_args, *exports, seed, T, N, K, n_blocks(K),
+        W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
+        NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages, SLICE_N=cfg.block_n // cfg.epilogue_split,
+        EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch, MMA_WARPS=cfg.mma_warps,
+        MMA_REGISTERS=cfg.mma_registers,
+        num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg,
+    )
+
+
+SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA, not Hopper) ...
 SLAB_MIN_ELEMENTS = 2**24  # ... for layers this large (on k/v, 1024 × 4096, two runs disagreed)
 SLAB_MIN_TOKENS_QUANTIZED = 2048  # with int8 state: from here, on every layer (docs/PERF.md, v5)
 SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
@@ -357,8 +475,9 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
     """`fused_linear_step` or `slab_linear_step`, whichever is faster for this layer on this device.
 
     path "auto": the slab path for bf16 activations on CUDA from `SLAB_MIN_TOKENS` tokens and layers
-    of `SLAB_MIN_ELEMENTS`, where cuBLAS's GEMM beats the fused kernel's token loop by more than the
-    slab's extra dW traffic (an L2-resident 16 MiB slab; docs/PERF.md, v3), and with int8 state from
+    of `SLAB_MIN_ELEMENTS`, where cuBLAS's GEMM beats the Triton fused kernel's token loop by more than
+    the slab's extra dW traffic (an L2-resident 16 MiB slab; docs/PERF.md, v3), except on Hopper GPUs
+    with Gluon, whose warp-specialized fused kernel is level or faster (v7); with int8 state from
     `SLAB_MIN_TOKENS_QUANTIZED` tokens on every layer, where the fused kernel's heavier epilogue
     loses (v5); the fused kernel otherwise. The slab's dW is rounded
     to bf16, as autograd's is, and float32 products there follow torch's matmul precision instead
@@ -380,13 +499,20 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
 
 
 def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: torch.device,
-                     quantized: bool = False) -> str:
+                     quantized: bool = False, hopper: Optional[bool] = None) -> str:
     """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`,
-    a weight of `elements` elements and int8 / uint8 state (`quantized`) or not."""
+    a weight of `elements` elements and int8 / uint8 state (`quantized`) or not. `hopper`: whether the
+    device runs the warp-specialized fused kernel (default: ask it), which is level with the slab path or
+    faster at 8192 tokens on every Llama-3.1-8B layer but lm_head (2 % slower; docs/PERF.md, v7), so
+    fp32 / bf16 state stays on the fused kernel there."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return "fused"
     if quantized:
         return "slab" if tokens >= SLAB_MIN_TOKENS_QUANTIZED else "fused"
+    if hopper is None:
+        hopper = _hopper_with_gluon(device)
+    if hopper:
+        return "fused"
     return "slab" if tokens >= SLAB_MIN_TOKENS and elements >= SLAB_MIN_ELEMENTS else "fused"
 
 
@@ -431,7 +557,7 @@ def slab_linear_step(
     if slab_bytes is not None and (isinstance(slab_bytes, bool) or int(slab_bytes) != slab_bytes or slab_bytes < 1):
         raise ValueError(f"slab_bytes must be a positive integer or None, got {slab_bytes!r}")
     N, K = weight.shape
-    _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    _, _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
     # Validated once for the whole tensors; each slab takes row slices of the same kernel arguments
     # (storage [N, K] and int8 scales [N, K / 64] alike), which keeps the host's cost per slab low.
     state_args, layouts = _prepare_state(spec, names, state, weight)
@@ -500,7 +626,7 @@ def step(
     grad = grad.contiguous()
     _weight_view(param, "param")  # dtype checks before any other work
     _weight_view(grad, "grad")
-    _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    _, _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
     state_args, layouts = _prepare_state(spec, names, state, param)
     rows, cols = as_rows(param).shape
     if rows * cols:

@@ -28,7 +28,8 @@ import torch
 
 from ..api import SpecLike, builtin_names, init_state, load_spec
 from ..layouts import StateLayout
-from .launch import TileConfig, _prepare_state, _variant, fused_config, is_quantized
+from . import gluon_lib
+from .launch import TileConfig, _prepare_state, _variant, fused_config, is_quantized, stored_bytes
 
 __all__ = ["Resources", "compile_fused", "main"]
 
@@ -68,22 +69,35 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     spec = load_spec(spec)
     weight = torch.zeros(128, 128, dtype=torch.bfloat16)
     state = init_state(spec, weight, layout=layout, **hypers)
-    fused, _, names, exports, _ = _variant(spec, hypers, 1, state)
+    fused, fused_ws, _, names, exports, _ = _variant(spec, hypers, 1, state)
     _, layouts = _prepare_state(spec, names, state, weight)
     fp32 = activations in ("fp32", "tf32")
     cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), is_quantized(layouts),
-                                 torch.float32 if fp32 else torch.bfloat16)
+                                 torch.float32 if fp32 else torch.bfloat16, hopper=gluon_lib.AVAILABLE,
+                                 stored_bytes=stored_bytes(True, layouts))
     act = "fp32" if fp32 else "bf16"
     precision = {"fp32": "ieee", "tf32": "tf32"}.get(activations)
-    constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
-                  "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
-                  "K_HALVES": cfg.k_halves, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": cfg.tma,
-                  "stride_xk": 1, "stride_dyn": 1, **layouts}
+    if cfg.warp_specialized:
+        if fp32 or fused_ws is None:
+            raise ValueError("the warp-specialized kernel needs bf16 activations and Triton ≥ 3.6 with Gluon")
+        fused = fused_ws
+        constexprs = {"W_BF16": True, "STOCHASTIC": True, "NUM_PROGRAMS": 132, "GROUP_N": cfg.group_n,
+                      "STAGES": cfg.num_stages, "SLICE_N": cfg.block_n // cfg.epilogue_split,
+                      "EPILOGUE_WARPS": cfg.num_warps, "PREFETCH": cfg.prefetch, "MMA_WARPS": cfg.mma_warps,
+                      "MMA_REGISTERS": cfg.mma_registers, **layouts}
+    else:
+        constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
+                      "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
+                      "K_HALVES": cfg.k_halves, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": cfg.tma,
+                      "stride_xk": 1, "stride_dyn": 1, **layouts}
     export_values = dict(zip([a for a in fused.arg_names if a.startswith("h_")], exports))
     signature = {}
     for arg in fused.arg_names:
         if arg in constexprs:
             signature[arg] = "constexpr"
+        elif arg in ("X", "DY") and cfg.warp_specialized:
+            block = cfg.tma_blocks[0 if arg == "X" else 1]
+            signature[arg] = f"tensordesc<bf16{block},{gluon_lib._shared_layout(tuple(block))!r}>"
         elif arg in ("X", "DY") and cfg.tma:
             signature[arg] = f"tensordesc<{act}{cfg.tma_blocks[0 if arg == 'X' else 1]}>"
         elif arg in ("X", "DY"):
@@ -100,10 +114,15 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
             signature[arg] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fused.arg_names)
              if a in _DIVISIBLE or a.startswith(("S_", "SCALE_"))}
-    source = ASTSource(fused, signature, {k: v for k, v in constexprs.items() if k in signature}, attrs=attrs)
+    if cfg.warp_specialized:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource(fused, signature, {k: v for k, v in constexprs.items() if k in signature}, attrs=attrs)
+    else:
+        source = ASTSource(fused, signature, {k: v for k, v in constexprs.items() if k in signature}, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                     "maxnreg": cfg.maxnreg})
+                                     "maxnreg": cfg.launch_maxnreg})
     return _resources(kernel, triton)
 
 

@@ -1,0 +1,212 @@
+"""The spec-independent parts of the warp-specialized fused kernel, in Gluon, for Hopper GPUs (sm_90).
+
+The Triton fused kernel (`fused_v<i>`) runs its token loop and its epilogue in the same warps, one
+after the other: the tensor cores wait while a tile's weights and state are updated (docs/PERF.md, v4).
+The warp-specialized kernel (`fused_ws_v<i>`, generated beside it) gives each SM one persistent
+program of three partitions that work on different tiles at once:
+
+  `loader`   (1 warp)   TMA copies of DY [BLOCK_T, BN] and X [BLOCK_T, BK] blocks into a ring of
+                        STAGES shared-memory buffers (`ready` / `empty` barriers per buffer);
+  `mma`      (MMA_WARPS) wgmma: acc [BN, BK] fp32 += DY blockᵀ · X block over every token block,
+                        then the finished tile goes to shared memory (`acc_smem`, 64 KiB) and the
+                        partition starts on its next tile;
+  epilogue   (the kernel's num_warps; generated per spec variant, `_epilogue_ws_v<i>`)
+                        reads `acc_smem` in [SLICE_N, BK] row slices and applies the spec's
+                        `_load_v<i>` / `_apply_v<i>` (the same update code as the Triton kernels).
+
+Tiles are 128 × 128 (BN × BK), visited by every partition in the same order: tile `program_id +
+i · NUM_PROGRAMS`, grouped as `triton_lib.grouped_tile` orders them. The dW tile exists only in the
+mma partition's registers and in `acc_smem`, never in global memory.
+
+Gluon is Triton's lower-level dialect (`triton.experimental.gluon`, Triton ≥ 3.6 here). It has no
+interpreter, so these kernels run only compiled on a GPU; `AVAILABLE` is False where this Triton
+lacks it, and then the generated `fused_ws_v<i>` are None (`launch.fused_config` never picks them).
+"""
+
+
+import functools
+
+import triton
+import triton.language as tl
+
+from .triton_lib import grouped_tile
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    # Triton 3.6 names the TMA load `async_copy_global_to_shared`; later versions `async_load`.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    AVAILABLE = hasattr(gl, "warp_specialize") and tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
+except ImportError:  # an older Triton: the Triton kernels only
+    gluon = gl = mbarrier = None
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "descriptor", "gl", "gluon_jit", "mbarrier", "sm_count", "ws_allocate", "ws_loader", "ws_mma", "ws_read_slice",
+           "ws_slice_offsets", "ws_tile_start", "ws_tiles"]
+
+
+def gluon_jit(fn=None, **kwargs):
+    """`gluon.jit` where Gluon is available; otherwise the decorated kernel is None."""
+    if not AVAILABLE:
+        return None if fn is not None else (lambda f: None)
+    return gluon.jit(fn, **kwargs) if fn is not None else gluon.jit(**kwargs)
+
+
+def _constexpr_function(fn):
+    return gluon.constexpr_function(fn) if AVAILABLE else fn
+
+
+@_constexpr_function
+def epilogue_layout(warps):
+    """The epilogue's register layout of a [SLICE_N, 128] slice: 8 consecutive elements per thread
+    (16-byte bf16 loads and stores), a warp on two rows, the warps stacked down the rows."""
+    return gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
+
+
+@_constexpr_function
+def mma_layout(warps, block_k):
+    """The wgmma accumulator layout of `warps` warps (4 per 64 rows) over a [128, block_k] tile."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_k, 16])
+
+
+@gluon_jit
+def ws_tiles(N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """(first tile of this program, number of [BN, BK] tiles of W [N, K])."""
+    return gl.program_id(0), gl.cdiv(N, BN) * gl.cdiv(K, BK)
+
+
+@gluon_jit
+def ws_tile_start(tile, N, K, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr):
+    """(first row, first column) of tile number `tile` in grouped order."""
+    pid_n, pid_k = grouped_tile(tile, N, K, BN, BK, GROUP_N)
+    return pid_n * BN, pid_k * BK
+
+
+@gluon_jit
+def ws_allocate(X, DY, STAGES: tl.constexpr):
+    """Shared memory and barriers of one program: (x_bufs [STAGES, BT, BK] and dy_bufs [STAGES, BT, BN],
+    the ring; acc_smem [BN, BK] fp32, the finished tile; ready, empty [STAGES] barriers of the ring;
+    acc_ready, acc_empty, the barriers of acc_smem). X and DY are TMA descriptors."""
+    BT: tl.constexpr = X.block_type.shape[0]
+    BK: tl.constexpr = X.block_type.shape[1]
+    BN: tl.constexpr = DY.block_type.shape[1]
+    x_bufs = gl.allocate_shared_memory(X.dtype, [STAGES, BT, BK], X.layout)
+    dy_bufs = gl.allocate_shared_memory(DY.dtype, [STAGES, BT, BN], DY.layout)
+    acc_smem = gl.allocate_shared_memory(gl.float32, [BN, BK],
+                                         gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(acc_ready, count=1)
+    mbarrier.init(acc_empty, count=1)
+    return x_bufs, dy_bufs, acc_smem, ready, empty, acc_ready, acc_empty
+
+
+@gluon_jit
+def ws_loader(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, N, K,
+              NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr):
+    """Worker partition (1 warp): for each tile and token block, wait for a free ring buffer and
+    start the TMA copies of X[t0:+BT, k-block] and DY[t0:+BT, n-block] into it (rows past T read 0)."""
+    BT: tl.constexpr = X.block_type.shape[0]
+    BK: tl.constexpr = X.block_type.shape[1]
+    BN: tl.constexpr = DY.block_type.shape[1]
+    STAGES: tl.constexpr = x_bufs.type.shape[0]
+    first, num_tiles = ws_tiles(N, K, BN, BK)
+    it = 0
+    for tile in range(first, num_tiles, NUM_PROGRAMS):
+        n_start, k_start = ws_tile_start(tile, N, K, BN, BK, GROUP_N)
+        for t0 in range(0, T, BT):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), X.block_type.nbytes + DY.block_type.nbytes)
+            _tma_load(X, [t0, k_start], ready.index(s), x_bufs.index(s))
+            _tma_load(DY, [t0, n_start], ready.index(s), dy_bufs.index(s))
+            it += 1
+
+
+@gluon_jit
+def ws_mma(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, N, K,
+           NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr):
+    """Worker partition (4 or 8 warps): acc [BN, BK] fp32 = DYᵀ·X over all T tokens with wgmma, one
+    asynchronous MMA in flight while the next block's copy lands; then wait until the epilogue has
+    read the previous tile out of acc_smem, store this one there and signal acc_ready."""
+    BT: tl.constexpr = X.block_type.shape[0]
+    BK: tl.constexpr = X.block_type.shape[1]
+    BN: tl.constexpr = DY.block_type.shape[1]
+    STAGES: tl.constexpr = x_bufs.type.shape[0]
+    layout: tl.constexpr = mma_layout(gl.num_warps(), BK)
+    first, num_tiles = ws_tiles(N, K, BN, BK)
+    it = 0
+    j = 0
+    for tile in range(first, num_tiles, NUM_PROGRAMS):
+        acc = gl.zeros([BN, BK], gl.float32, layout)
+        for t0 in range(0, T, BT):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            acc = warpgroup_mma(dy_bufs.index(s).permute((1, 0)), x_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # the MMA before this one has read its buffer: hand it back to the loader
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=t0 > 0)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=T > 0)
+        mbarrier.wait(acc_empty, (j & 1) ^ 1)
+        acc_smem.store(acc)
+        mbarrier.arrive(acc_ready)
+        j += 1
+
+
+@gluon_jit
+def ws_read_slice(acc_smem, acc_empty, r: tl.constexpr, SLICE_N: tl.constexpr, EPILOGUE_WARPS: tl.constexpr):
+    """Rows [r·SLICE_N, +SLICE_N) of the finished tile, [SLICE_N, BK] fp32 in `epilogue_layout`; after
+    the last slice, acc_smem is handed back to the mma partition."""
+    BN: tl.constexpr = acc_smem.type.shape[0]
+    b_grad = acc_smem.slice(r * SLICE_N, SLICE_N, dim=0).load(epilogue_layout(EPILOGUE_WARPS))
+    if r == BN // SLICE_N - 1:
+        mbarrier.arrive(acc_empty)
+    return b_grad
+
+
+@gluon_jit
+def ws_slice_offsets(n_start, k_start, N, K, SLICE_N: tl.constexpr, BK: tl.constexpr,
+                     EPILOGUE_WARPS: tl.constexpr):
+    """`triton_lib.tile_offsets` of the slice rows n_start + [0, SLICE_N), columns k_start + [0, BK), in
+    `epilogue_layout`: (offs [SLICE_N, BK] int64, mask [SLICE_N, BK], offs_n [SLICE_N] row indices)."""
+    layout: tl.constexpr = epilogue_layout(EPILOGUE_WARPS)
+    offs_n = n_start + gl.arange(0, SLICE_N, layout=gl.SliceLayout(1, layout))
+    offs_k = k_start + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    offs = offs_n.to(gl.int64)[:, None] * K + offs_k.to(gl.int64)[None, :]
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    return offs, mask, offs_n
+
+
+# ---------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------
+
+
+def descriptor(t, block_shape: list[int]):
+    """A Gluon TMA descriptor of the 2-D bf16 activation `t` [T, C] with blocks `block_shape` [BT, BC]
+    (`launch.tma_compatible(t)` must hold); the shared-memory layout is the 128-byte swizzle wgmma reads."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block_shape, _shared_layout(tuple(block_shape)))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block_shape: tuple[int, ...]):
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device: the persistent kernel's number of programs."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
