@@ -225,11 +225,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             tensor cores under "high" or "medium", like every other matmul of the model.
         fuse: False steps every parameter from its gradient (no fusion; for comparisons).
         linear_path: "auto" (default), "fused" or "slab": how a fused layer's update runs
-            (`forge_dsl.kernels.linear_step`). "auto" takes the tile-fused kernel, except for bf16
-            activations on CUDA from 4097 tokens per step and weights of 4096² elements or more
-            (with int8 state: from 2048 tokens, every weight), where cuBLAS dW in 16 MiB row slabs
-            (32 MiB with int8 state) consumed at once by the step kernel measured faster
-            (dW then rounded to bf16 as autograd's is; never more than one slab of it exists).
+            (`forge_dsl.kernels.linear_step`). "auto" takes the tile-fused kernel (warp-specialized
+            on Hopper GPUs), except with int8 state from 2048 tokens per step on every weight, and on
+            other GPUs for bf16 activations from 4097 tokens and weights of 4096² elements or more,
+            where cuBLAS dW in row slabs (32 MiB with int8 state, else 16 MiB) consumed at once by the
+            step kernel measured faster (dW then rounded to bf16 as autograd's is; never more than
+            one slab of it exists).
         **hypers: the spec's keywords with torch's names and defaults (`lr`, `betas=(...)`, ...).
 
     Raises:
