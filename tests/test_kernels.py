@@ -99,12 +99,13 @@ def bound(layout: StateLayout, ref: torch.Tensor, stored_scale_of: torch.Tensor)
     return 0.5 * gap + scale / (4 * 255**2) * (1 + 1e-5) + slack
 
 
-def make_problem(seed: int, w_dtype: torch.dtype, n=N, k=K, t=T):
+def make_problem(seed: int, w_dtype: torch.dtype, n=N, k=K, t=T, act: torch.dtype = None):
+    """(w [n, k], x [t, k], dy [t, n]) on DEVICE; activations bf16 with bf16 weights, else fp32, unless `act`."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.5
     x = torch.randn(t, k, generator=gen)
     dy = torch.randn(t, n, generator=gen) * 0.1
-    act = torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float32
+    act = act or (torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float32)
     return w.to(w_dtype).to(DEVICE), x.to(act).to(DEVICE), dy.to(act).to(DEVICE)
 
 
@@ -209,21 +210,22 @@ def test_layouts(name, fused, layout, w_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
 @pytest.mark.parametrize("layout", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", SPECS)
-def test_layouts_warp_specialized(name, layout, prefetch):
-    """`test_layouts` for the warp-specialized kernel: bf16 weights and activations, fp32 or bf16 state (what
-    it takes; the refusals are in test_warp_specialized_configs_are_refused_where_they_cannot_run)."""
+def test_layouts_warp_specialized(name, layout, prefetch, w_dtype):
+    """`test_layouts` for the warp-specialized kernel: bf16 activations, fp32 or bf16 weights, fp32 or bf16
+    state (what it takes; the refusals are in test_warp_specialized_configs_are_refused_where_they_cannot_run)."""
     if not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU (Gluon has no interpreter)")
-    check_layouts(name, "ws" if prefetch else "ws-no-prefetch", layout, torch.bfloat16)
+    check_layouts(name, "ws" if prefetch else "ws-no-prefetch", layout, w_dtype, act=torch.bfloat16)
 
 
-def check_layouts(name, fused, layout, w_dtype):
+def check_layouts(name, fused, layout, w_dtype, act=None):
     spec = forge_dsl.load_spec(name)
     kw = hypers_for(name)
-    w, x, dy = make_problem(3, w_dtype)
+    w, x, dy = make_problem(3, w_dtype, act=act)
     state = forge_dsl.init_state(spec, w, layout=layout_for(spec, layout), **kw)
     for step in range(1, 4):
         # Reference from the kernel's own current values, in float64.
