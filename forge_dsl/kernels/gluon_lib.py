@@ -43,8 +43,8 @@ except ImportError:  # an older Triton: the Triton kernels only
     gluon = gl = mbarrier = None
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "descriptor", "gl", "gluon_jit", "mbarrier", "sm_count", "ws_allocate", "ws_loader", "ws_mma", "ws_read_slice",
-           "ws_slice_offsets", "ws_tile_start", "ws_tiles"]
+__all__ = ["AVAILABLE", "descriptor", "gl", "gluon_jit", "mbarrier", "sm_count", "ws_allocate", "ws_loader",
+           "ws_mma", "ws_read_slice", "ws_slice_offsets", "ws_tile_start", "ws_tiles"]
 
 
 def gluon_jit(fn=None, **kwargs):

@@ -72,7 +72,8 @@ class TileConfig:
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"maxnreg must be in [24, 255] registers per thread, got {self.maxnreg}")
         if self.mma_warps not in (0, 4, 8):
-            raise ValueError(f"mma_warps must be 0 (the Triton kernel), 4 or 8 (warp-specialized), got {self.mma_warps}")
+            raise ValueError(f"mma_warps must be 0 (the Triton kernel), 4 or 8 (warp-specialized), "
+                             f"got {self.mma_warps}")
         if self.mma_warps:
             if (self.block_n, self.block_k) != (128, 128) or self.k_halves or self.block_t % 16:
                 raise ValueError("the warp-specialized kernel (mma_warps > 0) takes 128×128 tiles, whole (no "
@@ -144,7 +145,8 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     and more (at least 256 tiles of 128×128 for 132 SMs): the warp-specialized kernel (docs/PERF.md, v7:
     its epilogue overlaps the next tile's token loop; faster than the Triton kernel on every Llama-3.1-8B
     shape and token count measured, level at 8192 tokens on k/v), 128×128 tiles, a 4-buffer TMA ring,
-    8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it out (activations a TMA descriptor cannot read).
+    8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it out
+    (activations a TMA descriptor cannot read).
     `hopper`: whether `device` is such a GPU (default: ask it; pass True to plan for one from anywhere).
     Its epilogue prefetches the next slice's weights and state when they take at most
     `WS_PREFETCH_MAX_BYTES` bytes per element (`stored_bytes`, e.g. 6 for bf16 weights and two bf16
