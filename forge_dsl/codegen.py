@@ -243,7 +243,7 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
                                                    for i in range(4)]))},
         "apply_step": apply_args("P", "b_grad", " " * 8),
         # the warp-specialized kernel's epilogue partition: [SLICE_N, BK] row slices
-        "load_args_ws": load_args("W", " " * 12, "BK", "SLICE_N"),
+        "load_args_ws": load_args("W", " " * 16, "BK", "SLICE_N"),
         "load_args_ws_inner": load_args("W", " " * 20, "BK", "SLICE_N"),
         "load_args_ws_next": load_args("W", " " * 20, "BK", "SLICE_N", prefix="next_"),
         "next_raw": [f"next_{name}" for name in raw],

@@ -226,8 +226,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         fuse: False steps every parameter from its gradient (no fusion; for comparisons).
         linear_path: "auto" (default), "fused" or "slab": how a fused layer's update runs
             (`forge_dsl.kernels.linear_step`). "auto" takes the tile-fused kernel (warp-specialized
-            on Hopper GPUs), except with int8 state from 2048 tokens per step on every weight, and on
-            other GPUs for bf16 activations from 4097 tokens and weights of 4096² elements or more,
+            on Hopper GPUs with Gluon), except with int8 state from 2048 tokens per step on every weight,
+            and without the warp-specialized kernel for bf16 activations from 4097 tokens and weights of
+            4096² elements or more,
             where cuBLAS dW in row slabs (32 MiB with int8 state, else 16 MiB) consumed at once by the
             step kernel measured faster (dW then rounded to bf16 as autograd's is; never more than
             one slab of it exists).

@@ -417,15 +417,21 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
     where its kernel cannot run, with what to use instead; `fused_config` falls back to the Triton
     kernel by itself (activations a TMA descriptor cannot read: no tokens, here)."""
     for bad, message in ((dict(mma_warps=2), "mma_warps must be 0"),
-                         (dict(mma_warps=8, k_halves=True, epilogue_split=2), "128×128 tiles, whole"),
-                         (dict(mma_warps=8, mma_registers=100), "mma_registers must be a multiple of 8")):
+                         (dict(mma_warps=8, tma=True, k_halves=True, epilogue_split=2), "128×128 tiles, whole"),
+                         (dict(mma_warps=8, tma=True, mma_registers=100), "mma_registers must be a multiple of 8"),
+                         (dict(mma_warps=8, tma=True, num_stages=1), "a TMA ring of at least 2 buffers"),
+                         (dict(mma_warps=8), "give it tma=True"),
+                         (dict(mma_registers=104), "mma_registers applies to the warp-specialized kernel only")):
         with pytest.raises(ValueError, match=message):
             kernels.TileConfig(64, 128, 128, **bad)
     with pytest.raises(ValueError, match="128×128 tiles"):
-        kernels.TileConfig(64, 64, 128, mma_warps=8)
+        kernels.TileConfig(64, 64, 128, tma=True, mma_warps=8)
     assert kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8") == kernels.TileConfig(
         64, 128, 128, num_warps=8, num_stages=4, tma=True, epilogue_split=4, mma_warps=8, mma_registers=104)
-    assert kernels.TileConfig(32, 128, 128, num_warps=4, mma_warps=4).mma_registers == 200
+    assert not kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,prefetch=0").prefetch
+    with pytest.raises(ValueError, match="prefetch=0|1"):
+        kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,prefetch=7")
+    assert kernels.TileConfig(32, 128, 128, num_warps=4, tma=True, mma_warps=4).mma_registers == 200
     w, x, dy = make_problem(4, torch.bfloat16)
     cases = [("int8", x, WS_CONFIG, "takes fp32 and bf16 state; int8 state runs on the Triton kernel")]
     if hopper_with_gluon():
@@ -566,11 +572,12 @@ def test_large_shape_against_cublas(w_dtype):
 @pytest.mark.parametrize("t", [512, 2048, 8192])
 @pytest.mark.parametrize("n", [4096, 1024])
 def test_default_configs_on_llama_sized_layers(n, t, layout):
-    """Each H200 default config (64×64 tiles, 128×128 tiles with a quarter-slice epilogue in 128
-    registers, TMA, the int8-state tiles) at Llama-sized layers (q/o 4096², k/v 1024×4096): the fused
-    step against the element-wise step on cuBLAS's fp32 dW, from the same bf16 weights and state. Both
-    quantize and round with the same code, so the two differ only where the two dW sums (different
-    fp32 orders) straddle a rounding boundary."""
+    """Each H200 default config at Llama-sized layers (q/o 4096², k/v 1024×4096): with bf16 state the
+    warp-specialized kernel as shipped (8 MMA warps, 4 ring buffers; 1024 or 256 tiles over 132
+    persistent programs, so every barrier of the ring and of the dW hand-over wraps its phase many
+    times), with int8 state the Triton kernel's tiles: the fused step against the element-wise step on
+    cuBLAS's fp32 dW, from the same bf16 weights and state. Both quantize and round with the same code,
+    so the two differ only where the two dW sums (different fp32 orders) straddle a rounding boundary."""
     k = 4096
     spec = forge_dsl.load_spec("adamw")
     w, x, dy = make_problem(10 + t + n, torch.bfloat16, n=n, k=k, t=t)
@@ -615,6 +622,8 @@ def test_auto_linear_path():
     big = 4096 * 4096
     assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=False) == "slab"
     assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=True) == "fused"  # v7: warp-specialized
+    # ... which reads through TMA: activations it cannot read keep the v3 rule
+    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=True, tma=False) == "slab"
     assert launch.auto_linear_path(4096, big, torch.bfloat16, cuda, hopper=False) == "fused"
     assert launch.auto_linear_path(8192, 1024 * 4096, torch.bfloat16, cuda, hopper=False) == "fused"  # k/v
     assert launch.auto_linear_path(8192, big, torch.float32, cuda) == "fused"  # fp32: the fused kernel's exact product
@@ -640,10 +649,14 @@ def test_linear_step_routes_each_option_to_its_path(monkeypatch):
     assert (fused, slab, auto) == ("fused", "slab", "fused")  # auto: CPU
     assert f_kw["config"] is config and "slab_bytes" not in f_kw and f_kw["lr"] == 0.1
     assert s_kw["slab_bytes"] == 2**20 and "config" not in s_kw and "tf32" not in s_kw and s_kw["step"] == 1
-    # "auto" asks with the layer's token count, size and whether its state is quantized
+    # "auto" asks with the layer's token count, size, whether its state is quantized and whether TMA can read
+    # the activations (not column-major ones)
     asked = []
-    monkeypatch.setattr(launch, "auto_linear_path", lambda *a: asked.append(a) or "fused")
+    monkeypatch.setattr(launch, "auto_linear_path", lambda *a, **kw: asked.append((*a, kw)) or "fused")
     for layout in ("bf16", "int8"):
         state = forge_dsl.init_state("adamw", w, layout=layout)
         kernels.linear_step("adamw", x, dy, w, state, step=1, lr=0.1)
-    assert asked == [(T, N * K, torch.bfloat16, w.device, False), (T, N * K, torch.bfloat16, w.device, True)]
+    kernels.linear_step("adamw", x.t().contiguous().t(), dy, w, state, step=1, lr=0.1)
+    assert asked == [(T, N * K, torch.bfloat16, w.device, False, {"tma": True}),
+                     (T, N * K, torch.bfloat16, w.device, True, {"tma": True}),
+                     (T, N * K, torch.bfloat16, w.device, True, {"tma": False})]

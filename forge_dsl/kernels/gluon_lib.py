@@ -18,6 +18,11 @@ Tiles are 128 × 128 (BN × BK), visited by every partition in the same order: t
 i · NUM_PROGRAMS`, grouped as `triton_lib.grouped_tile` orders them. The dW tile exists only in the
 mma partition's registers and in `acc_smem`, never in global memory.
 
+Each `mbarrier.arrive` below is made by one thread for its whole partition; the compiler puts a barrier
+of the partition's warps in front of it (`bar.sync <id>, <threads>` in the PTX of Triton 3.6, checked
+with `python -m forge_dsl.kernels.sm90`), so every warp's reads of a buffer are done before it is
+handed back.
+
 Gluon is Triton's lower-level dialect (`triton.experimental.gluon`, Triton ≥ 3.6 here). It has no
 interpreter, so these kernels run only compiled on a GPU; `AVAILABLE` is False where this Triton
 lacks it, and then the generated `fused_ws_v<i>` are None (`launch.fused_config` never picks them).
@@ -43,7 +48,8 @@ except ImportError:  # an older Triton: the Triton kernels only
     gluon = gl = mbarrier = None
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "descriptor", "gl", "gluon_jit", "mbarrier", "sm_count", "ws_allocate", "ws_loader",
+__all__ = ["AVAILABLE", "descriptor", "gl", "gluon_jit", "mbarrier", "shared_layout", "sm_count", "ws_allocate",
+           "ws_loader",
            "ws_mma", "ws_read_slice", "ws_slice_offsets", "ws_tile_start", "ws_tiles"]
 
 
@@ -196,11 +202,12 @@ def descriptor(t, block_shape: list[int]):
     (`launch.tma_compatible(t)` must hold); the shared-memory layout is the 128-byte swizzle wgmma reads."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(t, block_shape, _shared_layout(tuple(block_shape)))
+    return TensorDescriptor.from_tensor(t, block_shape, shared_layout(tuple(block_shape)))
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_layout(block_shape: tuple[int, ...]):
+def shared_layout(block_shape: tuple[int, ...]):
+    """The shared-memory layout of a bf16 TMA block of `block_shape` (the 128-byte swizzle wgmma reads)."""
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16)
 
 

@@ -51,7 +51,8 @@ class TileConfig:
     num_stages: int = 3
     k_halves: bool = False  # accumulate the tile as two column halves (two dots per token block)
     tma: bool = False  # read the activations with Hopper TMA copies where their layout allows it
-    # the epilogue runs on 1, 2 or 4 column slices of the tile, one at a time (default: 2 with k_halves, else 1)
+    # the epilogue runs on 1, 2 or 4 slices of the tile, one at a time (default: 2 with k_halves, else 1): column
+    # slices in the Triton kernel, row slices in the warp-specialized one
     epilogue_split: Optional[int] = None
     maxnreg: Optional[int] = None  # cap on registers per thread (more programs per SM; the rest spills)
     # Warp-specialized kernel (`fused_ws_v<i>`, Hopper GPUs, forge_dsl/kernels/gluon_lib.py) when mma_warps is 4
@@ -78,10 +79,17 @@ class TileConfig:
             if (self.block_n, self.block_k) != (128, 128) or self.k_halves or self.block_t % 16:
                 raise ValueError("the warp-specialized kernel (mma_warps > 0) takes 128×128 tiles, whole (no "
                                  f"k_halves), and block_t a multiple of 16, got {self}")
+            if self.num_stages < 2 or not self.tma:
+                # one ring buffer would deadlock: the loader waits for it while the MMA waits for the next block
+                raise ValueError("the warp-specialized kernel (mma_warps > 0) reads through a TMA ring of at least "
+                                 f"2 buffers: give it tma=True and num_stages >= 2, got {self}")
             if self.mma_registers is None:
                 object.__setattr__(self, "mma_registers", 104 if self.mma_warps == 8 else 200)
             if not (24 <= self.mma_registers <= 256 and self.mma_registers % 8 == 0):
                 raise ValueError(f"mma_registers must be a multiple of 8 in [24, 256], got {self.mma_registers}")
+        elif self.mma_registers is not None:
+            raise ValueError(f"mma_registers applies to the warp-specialized kernel only: give mma_warps 4 or 8, "
+                             f"got {self}")
 
     @property
     def warp_specialized(self) -> bool:
@@ -116,7 +124,8 @@ class TileConfig:
                 if key.strip() not in ("split", "maxnreg", "ws", "mmaregs", "prefetch") or key.strip() in keywords:
                     raise ValueError
                 keywords[key.strip()] = int(value)
-            if len(values) not in (5, 6, 7) or any(v not in (0, 1) for v in values[5:]):
+            if len(values) not in (5, 6, 7) or any(v not in (0, 1) for v in values[5:]) or \
+                    keywords.get("prefetch", 0) not in (0, 1):
                 raise ValueError
         except ValueError:
             raise ValueError("a tile config is five integers BT,BN,BK,WARPS,STAGES, then optionally HALVES and TMA "
@@ -199,13 +208,18 @@ def stored_bytes(w_bf16: bool, layouts: dict) -> int:
     return (2 if w_bf16 else 4) + sum(_STORED_BYTES[StateLayout(code)] for code in layouts.values())
 
 
-@functools.lru_cache(maxsize=None)
 def _hopper_with_gluon(device: torch.device) -> bool:
-    """Whether `device` is a Hopper GPU (sm_90) and this Triton has Gluon: where `fused_ws_v<i>` runs."""
+    """Whether `fused_ws_v<i>` runs on `device`: a Hopper GPU (sm_90), a Triton with Gluon, no interpreter."""
     from . import gluon_lib
 
-    return (device.type == "cuda" and gluon_lib.AVAILABLE and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device)[0] == 9)
+    if device.type != "cuda" or not gluon_lib.AVAILABLE or interpreting() or not torch.cuda.is_available():
+        return False
+    return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def check_config(cfg: TileConfig, quantized: bool) -> None:
@@ -431,9 +445,9 @@ def _check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tm
     if fused_ws is None:
         raise ValueError(f"{cfg} asks for the warp-specialized kernel, which needs Triton ≥ 3.6 with Gluon; "
                          "use a config without mma_warps")
-    if weight.device.type != "cuda" or interpreting():
+    if not _hopper_with_gluon(weight.device):
         raise ValueError(f"{cfg} asks for the warp-specialized kernel, which runs only compiled on a Hopper GPU "
-                         "(Gluon has no interpreter); use a config without mma_warps")
+                         "(sm_90; Gluon has no interpreter); use a config without mma_warps")
     if x2.dtype != torch.bfloat16:
         raise ValueError(f"the warp-specialized kernel multiplies bfloat16 activations, got {x2.dtype}; "
                          "use a config without mma_warps")
@@ -463,7 +477,8 @@ def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16:
     )
 
 
-SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA, not Hopper) ...
+SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA, not on
+# Hopper with Gluon) ...
 SLAB_MIN_ELEMENTS = 2**24  # ... for layers this large (on k/v, 1024 × 4096, two runs disagreed)
 SLAB_MIN_TOKENS_QUANTIZED = 2048  # with int8 state: from here, on every layer (docs/PERF.md, v5)
 SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
@@ -493,7 +508,8 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
         tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         quantized = any(_LAYOUT_OF_DTYPE.get(t.dtype) in _QUANTIZED for t in state.values()
                         if isinstance(t, torch.Tensor))
-        path = auto_linear_path(tokens, weight.numel(), x.dtype, weight.device, quantized)
+        tma = tokens > 0 and all(t.shape[-1] > 0 and tma_compatible(t.reshape(-1, t.shape[-1])) for t in (x, dy))
+        path = auto_linear_path(tokens, weight.numel(), x.dtype, weight.device, quantized, tma=tma)
     if path == "slab":
         slab_linear_step(spec, x, dy, weight, state, slab_bytes=slab_bytes, **kwargs)
     else:
@@ -501,19 +517,19 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
 
 
 def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: torch.device,
-                     quantized: bool = False, hopper: Optional[bool] = None) -> str:
+                     quantized: bool = False, hopper: Optional[bool] = None, tma: bool = True) -> str:
     """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`,
     a weight of `elements` elements and int8 / uint8 state (`quantized`) or not. `hopper`: whether the
     device runs the warp-specialized fused kernel (default: ask it), which is level with the slab path or
-    faster at 8192 tokens on every Llama-3.1-8B layer but lm_head (2 % slower; docs/PERF.md, v7), so
-    fp32 / bf16 state stays on the fused kernel there."""
+    faster at 8192 tokens on every Llama-3.1-8B layer but lm_head (3 % slower; docs/PERF.md, v7), so
+    fp32 / bf16 state stays on the fused kernel there when the activations can be read through TMA (`tma`)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return "fused"
     if quantized:
         return "slab" if tokens >= SLAB_MIN_TOKENS_QUANTIZED else "fused"
     if hopper is None:
         hopper = _hopper_with_gluon(device)
-    if hopper:
+    if hopper and tma:
         return "fused"
     return "slab" if tokens >= SLAB_MIN_TOKENS and elements >= SLAB_MIN_ELEMENTS else "fused"
 

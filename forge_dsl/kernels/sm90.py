@@ -97,7 +97,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
             signature[arg] = "constexpr"
         elif arg in ("X", "DY") and cfg.warp_specialized:
             block = cfg.tma_blocks[0 if arg == "X" else 1]
-            signature[arg] = f"tensordesc<bf16{block},{gluon_lib._shared_layout(tuple(block))!r}>"
+            signature[arg] = f"tensordesc<bf16{block},{gluon_lib.shared_layout(tuple(block))!r}>"
         elif arg in ("X", "DY") and cfg.tma:
             signature[arg] = f"tensordesc<{act}{cfg.tma_blocks[0 if arg == 'X' else 1]}>"
         elif arg in ("X", "DY"):
