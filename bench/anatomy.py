@@ -16,7 +16,8 @@ the median per call of a CUDA graph replaying the call 20 times (no host overhea
         [--ws] [--json FILE]
 
 fused ≈ token loop + epilogue means nothing overlaps the epilogue; fused ≈ max of the two means
-co-resident programs hide it. Scratch weights and state only (never live ones). The same buffers are
+co-resident programs hide it. The tiles are the Triton kernel's (`fused_config(..., hopper=False)`), also
+on Hopper, where `forge-bench kernel` times the warp-specialized kernel instead. Scratch weights and state only (never live ones). The same buffers are
 replayed: a layer whose weights and state fit in the L2 (k/v) is timed warm; `forge-bench kernel
 --timing graph` rotates copies past the L2.
 """
@@ -135,7 +136,9 @@ def run_case(spec_name: str, layout: str, N: int, K: int, T: int, rows: list, co
         add("torch step", graph_ms(opt.step))
         add("torch pair", graph_ms(lambda: (torch.matmul(dy.t(), x, out=dw), opt.step())))
         del p, opt
-    default = fused_config(T, N, K, w.device, layout == "int8")
+    # the Triton kernel's default: its token loop and epilogue are what this script takes apart (the
+    # warp-specialized kernel runs them in different warps at once; docs/PERF.md, v7)
+    default = fused_config(T, N, K, w.device, layout == "int8", hopper=False)
     add("epilogue, nearest rounding | default",
         graph_ms(lambda: kernels.fused_linear_step(spec, x[:0], dy[:0], w, state, step=1, config=default,
                                                    rounding="nearest", **kw)))
