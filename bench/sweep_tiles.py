@@ -110,11 +110,11 @@ def sweep_step(spec_name, layout, N, K, rows):
         opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
         rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
                      "config": "torch AdamW(fused=True)", "ms": bench(opt.step)})
+        print(json.dumps(rows[-1]), flush=True)
         opt_g = torch.optim.AdamW([p], lr=1e-4, fused=True, capturable=True)
         rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
                      "config": "torch AdamW(fused=True, capturable=True), CUDA graph",
                      "ms": bench(opt_g.step, graph=True)})
-        print(json.dumps(rows[-1]), flush=True)
         print(json.dumps(rows[-1]), flush=True)
 
 
