@@ -637,6 +637,17 @@ def test_auto_linear_path():
         kernels.linear_step("adamw", x, dy, w, forge_dsl.init_state("adamw", w), step=1, path="gemm")
 
 
+def test_tma_readable_without_reshaping():
+    """linear_step's check of what the fused kernel will read equals `tma_compatible` of the 2-D reshape
+    the kernel makes (a view, or for strides no view can merge, a contiguous copy), without making it."""
+    base = torch.randn(4, 10, 136).to(torch.bfloat16)
+    cases = [base, base[:, :5, :], base[:, ::2, :], base.transpose(0, 1), base[..., :100], base[..., :4],
+             base[:0], torch.randn(3, 9).to(torch.bfloat16)]
+    for t in cases:
+        assert launch._tma_readable(t) == (t.numel() > 0 and launch.tma_compatible(t.reshape(-1, t.shape[-1]))), \
+            (tuple(t.shape), t.stride())
+
+
 def test_linear_step_routes_each_option_to_its_path(monkeypatch):
     calls = []
     monkeypatch.setattr(launch, "fused_linear_step", lambda *a, **kw: calls.append(("fused", kw)))

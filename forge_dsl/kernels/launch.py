@@ -508,7 +508,7 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
         tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         quantized = any(_LAYOUT_OF_DTYPE.get(t.dtype) in _QUANTIZED for t in state.values()
                         if isinstance(t, torch.Tensor))
-        tma = tokens > 0 and all(t.shape[-1] > 0 and tma_compatible(t.reshape(-1, t.shape[-1])) for t in (x, dy))
+        tma = all(_tma_readable(t) for t in (x, dy))
         path = auto_linear_path(tokens, weight.numel(), x.dtype, weight.device, quantized, tma=tma)
     if path == "slab":
         slab_linear_step(spec, x, dy, weight, state, slab_bytes=slab_bytes, **kwargs)
@@ -532,6 +532,19 @@ def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: tor
     if hopper and tma:
         return "fused"
     return "slab" if tokens >= SLAB_MIN_TOKENS and elements >= SLAB_MIN_ELEMENTS else "fused"
+
+
+def _tma_readable(t: torch.Tensor) -> bool:
+    """`tma_compatible` of the 2-D [tokens, C] that the fused kernel makes of an activation [..., C]
+    (`t.reshape(-1, C)`), without making it: a view where the strides allow one, else the contiguous
+    copy that `reshape` would return (16-byte aligned, rows of C elements)."""
+    if t.numel() == 0:
+        return False
+    try:
+        return tma_compatible(t.view(-1, t.shape[-1]))
+    except RuntimeError:  # not viewable: the kernel gets a contiguous copy
+        row_bytes = t.shape[-1] * t.element_size()
+        return row_bytes % 16 == 0 and row_bytes >= 16
 
 
 def tma_compatible(t: torch.Tensor) -> bool:
