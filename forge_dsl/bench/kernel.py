@@ -107,8 +107,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tokens", help="comma-separated T (default 512,2048,8192; --quick: 512,2048; CPU: 64)")
     ap.add_argument("--layouts", help="comma-separated state layouts of ours: bf16,fp32,int8 "
                                       "(default: all; --quick: bf16)")
-    ap.add_argument("--config", type=parse_config, metavar="BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R]",
-                    help="tile config of the fused kernel (default: the kernel's own choice)")
+    ap.add_argument("--config", type=parse_config, metavar="BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,key=value...]",
+                    help="tile config of the fused kernel, as TileConfig.parse reads it (default: the kernel's own "
+                         "choice)")
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
                     help="bf16 weight write-back of ours (default stochastic; nearest shows what Philox costs)")
     ap.add_argument("--rep", type=float, default=50, metavar="MS", help="do_bench repetition time per method (ms)")
