@@ -212,8 +212,6 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     common = ["n_blocks", "seed", "W_BF16", "STOCHASTIC"]
 
     raw = ["r_param"] + [name for s in states for name in (f"r_{s}", f"q_{s}")]
-    # the TMA-slice epilogue's descriptors, shared-memory rings and their barriers
-    slice_refs = ["W_DESC", *(f"SD_{s}" for s in states), "w_bufs", *(f"{s}_bufs" for s in states), "slice_ready"]
 
     def load_args(weight: str, indent: str, block_k: str = "BLOCK_K", block_n: str = "BLOCK_N",
                   prefix: str = "") -> str:
@@ -252,15 +250,7 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
         "apply_ws": apply_args("W", "acc", " " * 16, "BK", "SLICE_N"),
         "epilogue_ws_args": _wrapped_args(["W", *state_ptrs, *exports, "acc_smem", "acc_ready", "acc_empty", "seed",
                                            "N", "K", "n_blocks", "W_BF16", "STOCHASTIC", *layouts, "NUM_PROGRAMS",
-                                           "GROUP_N", "SLICE_N", "EPILOGUE_WARPS", "PREFETCH"], " " * 16),
-        # ... and with the weights and state through TMA slices
-        "epilogue_ws_tma_args": _wrapped_args(["W", *state_ptrs, *exports, *slice_refs, "acc_smem", "acc_ready",
-                                               "acc_empty", "seed", "N", "K", "n_blocks", "W_BF16", "STOCHASTIC",
-                                               *layouts, "NUM_PROGRAMS", "GROUP_N", "EPILOGUE_WARPS"], " " * 16),
-        "load_slices_args_first": _wrapped_args([*slice_refs, "g0", "first", "N", "K", "NUM_PROGRAMS", "GROUP_N",
-                                                 "BN", "BK"], " " * 16),
-        "load_slices_args_next": _wrapped_args([*slice_refs, "g + BUFFERS", "first", "N", "K", "NUM_PROGRAMS",
-                                                "GROUP_N", "BN", "BK"], " " * 20),
+                                           "GROUP_N", "SLICE_N", "EPILOGUE_WARPS", "PREFETCH"], " " * 12),
         "index": index,
         "combo": describe_combo(low.combo) or "no flags",
         "combo_key": repr(tuple(low.combo)),

@@ -195,9 +195,6 @@ SPLIT_CONFIGS = {q: kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, t
 # The warp-specialized kernel (Hopper GPUs only: Gluon has no interpreter), with 4 MMA warps, 4 epilogue
 # warps on 32-row slices and 32-token blocks: one program per tile here (72 × 136 is two ragged tiles).
 WS_CONFIG = kernels.TileConfig(32, 128, 128, num_warps=4, num_stages=2, tma=True, epilogue_split=4, mma_warps=4)
-# the ways its epilogue reads weights and state: registers with / without the next slice's prefetch, TMA slices
-WS_EPILOGUES = {"ws": WS_CONFIG, "ws-no-prefetch": dataclasses.replace(WS_CONFIG, prefetch=False),
-                "ws-tma": dataclasses.replace(WS_CONFIG, epilogue_buffers=2)}
 
 
 def hopper_with_gluon() -> bool:
@@ -214,16 +211,15 @@ def test_layouts(name, fused, layout, w_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
-@pytest.mark.parametrize("epilogue", list(WS_EPILOGUES))
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
 @pytest.mark.parametrize("layout", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", SPECS)
-def test_layouts_warp_specialized(name, layout, epilogue, w_dtype):
+def test_layouts_warp_specialized(name, layout, prefetch, w_dtype):
     """`test_layouts` for the warp-specialized kernel: bf16 activations, fp32 or bf16 weights, fp32 or bf16
-    state (what it takes; the refusals are in test_warp_specialized_configs_are_refused_where_they_cannot_run),
-    each way its epilogue reads the weights and state."""
+    state (what it takes; the refusals are in test_warp_specialized_configs_are_refused_where_they_cannot_run)."""
     if not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU (Gluon has no interpreter)")
-    check_layouts(name, epilogue, layout, w_dtype, act=torch.bfloat16)
+    check_layouts(name, "ws" if prefetch else "ws-no-prefetch", layout, w_dtype, act=torch.bfloat16)
 
 
 def check_layouts(name, fused, layout, w_dtype, act=None):
@@ -245,7 +241,7 @@ def check_layouts(name, fused, layout, w_dtype, act=None):
             kernels.slab_linear_step(spec, x, dy, w, state, step=step, seed=7, slab_bytes=slab_bytes, **kw)
         elif fused:
             config = {"halves": HALVES_CONFIG, "split": SPLIT_CONFIGS[layout in ("int8", "mixed")],
-                      **WS_EPILOGUES}.get(fused)
+                      "ws": WS_CONFIG, "ws-no-prefetch": dataclasses.replace(WS_CONFIG, prefetch=False)}.get(fused)
             kernels.fused_linear_step(spec, x, dy, w, state, step=step, seed=7, config=config, **kw)
         else:
             kernels.step(spec, w, dw.float().to(DEVICE), state, step=step, seed=7, **kw)
@@ -425,10 +421,7 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
                          (dict(mma_warps=8, tma=True, mma_registers=100), "mma_registers must be a multiple of 8"),
                          (dict(mma_warps=8, tma=True, num_stages=1), "a TMA ring of at least 2 buffers"),
                          (dict(mma_warps=8), "give it tma=True"),
-                         (dict(mma_warps=8, tma=True, epilogue_buffers=9), "epilogue_buffers must be in"),
-                         (dict(epilogue_split=8), "8 too in the warp-specialized kernel"),
-                         (dict(mma_registers=104), "apply to the warp-specialized kernel only"),
-                         (dict(epilogue_buffers=2), "apply to the warp-specialized kernel only")):
+                         (dict(mma_registers=104), "mma_registers applies to the warp-specialized kernel only")):
         with pytest.raises(ValueError, match=message):
             kernels.TileConfig(64, 128, 128, **bad)
     with pytest.raises(ValueError, match="128×128 tiles"):
@@ -436,30 +429,22 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
     assert kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8") == kernels.TileConfig(
         64, 128, 128, num_warps=8, num_stages=4, tma=True, epilogue_split=4, mma_warps=8, mma_registers=104)
     assert not kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,prefetch=0").prefetch
-    assert kernels.TileConfig.parse("64,128,128,8,3,split=8,ws=8,ebufs=3") == kernels.TileConfig(
-        64, 128, 128, num_warps=8, num_stages=3, tma=True, epilogue_split=8, mma_warps=8, epilogue_buffers=3)
-    for bad in ("prefetch=7", "ebufs=x", "bufs=2"):
-        with pytest.raises(ValueError, match="prefetch=0|1 and ebufs=BUFFERS"):
-            kernels.TileConfig.parse(f"64,128,128,8,4,split=4,ws=8,{bad}")
+    with pytest.raises(ValueError, match="prefetch=0|1"):
+        kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,prefetch=7")
     assert kernels.TileConfig(32, 128, 128, num_warps=4, tma=True, mma_warps=4).mma_registers == 200
     w, x, dy = make_problem(4, torch.bfloat16)
     cases = [("int8", x, WS_CONFIG, "takes fp32 and bf16 state; int8 state runs on the Triton kernel")]
     if hopper_with_gluon():
         cases += [("bf16", x.float(), WS_CONFIG, "multiplies bfloat16 activations"),
                   ("bf16", x[:0], WS_CONFIG, "reads x and dy through TMA")]
-        too_big = dataclasses.replace(WS_CONFIG, num_stages=6, epilogue_buffers=8)  # 264 KiB with fp32 state
-        cases += [("fp32", x, too_big, "bytes of shared memory with 10 bytes of weight and state per element")]
-        offset = torch.empty(w.numel() + 1, dtype=w.dtype, device=DEVICE)[1:].view(w.shape)  # 2-byte aligned
-        cases += [("bf16", x, dataclasses.replace(WS_CONFIG, epilogue_buffers=2), "16-byte aligned", offset)]
     else:
         cases += [("bf16", x, WS_CONFIG, "runs only compiled on a Hopper GPU")]
-    for layout, xs, config, message, *weight in cases:
-        wc = weight[0].copy_(w) if weight else w
-        state = forge_dsl.init_state("adamw", wc, layout=layout)
-        before = wc.clone()
+    for layout, xs, config, message in cases:
+        state = forge_dsl.init_state("adamw", w, layout=layout)
+        before = w.clone()
         with pytest.raises(ValueError, match=message):
-            kernels.fused_linear_step("adamw", xs, dy[:xs.shape[0]].to(xs.dtype), wc, state, step=1, config=config)
-        assert torch.equal(wc, before)  # refused before any launch
+            kernels.fused_linear_step("adamw", xs, dy[:xs.shape[0]].to(xs.dtype), w, state, step=1, config=config)
+        assert torch.equal(w, before)  # refused before any launch
     if hopper_with_gluon():  # a layer that takes the warp-specialized default, with column-major activations
         big = torch.randn(4096, 4096, device=DEVICE).to(torch.bfloat16)
         xs = torch.randn(4096, 16, device=DEVICE).to(torch.bfloat16).t()  # [16, 4096], strides (1, 16)
@@ -607,16 +592,6 @@ def test_default_configs_on_llama_sized_layers(n, t, layout):
     got, ref = as_float64_state(state, spec), as_float64_state(state2, spec)
     for name in ("exp_avg", "exp_avg_sq"):
         assert rel_err(got[name], ref[name]) <= (1e-2 if layout == "int8" else 2.0**-8), name
-
-
-def test_warp_specialized_shared_memory():
-    """`ws_shared_bytes` counts what `fused_ws_v<i>` allocates (checked against the offline compile in
-    tests/test_sm90.py): the X / DY ring, the fp32 dW tile and the epilogue's TMA slices."""
-    cfg = kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8")
-    assert launch.ws_shared_bytes(cfg, 6) == 192 * 1024  # 4 × 32 KiB of ring, 64 KiB of dW
-    tma = kernels.TileConfig.parse("64,128,128,8,3,split=4,ws=8,ebufs=2")
-    assert launch.ws_shared_bytes(tma, 6) == (96 + 64 + 2 * 24) * 1024  # 32 rows × 128 × 6 bytes a buffer
-    assert launch.ws_shared_bytes(tma, 6) <= launch.WS_SHARED_BYTES < launch.ws_shared_bytes(tma, 10)
 
 
 def test_slab_rows_are_whole_aligned_rows_within_the_budget():

@@ -43,17 +43,14 @@ try:
 
     # Triton 3.6 names the TMA load `async_copy_global_to_shared`; later versions `async_load`.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    # ... and the barrier of a partition's warps `thread_barrier`; later versions `barrier`.
-    _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     AVAILABLE = hasattr(gl, "warp_specialize") and tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
 except ImportError:  # an older Triton: the Triton kernels only
     gluon = gl = mbarrier = None
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "descriptor", "gl", "gluon_jit", "mbarrier", "shared_layout", "slice_descriptor", "sm_count",
-           "ws_allocate", "ws_allocate_barriers", "ws_allocate_slices", "ws_load_slice", "ws_loader", "ws_mma",
-           "ws_read_slice", "ws_slice_offsets", "ws_slice_start", "ws_smem_slice", "ws_sync_partition",
-           "ws_tile_start", "ws_tiles"]
+__all__ = ["AVAILABLE", "descriptor", "gl", "gluon_jit", "mbarrier", "shared_layout", "sm_count", "ws_allocate",
+           "ws_loader",
+           "ws_mma", "ws_read_slice", "ws_slice_offsets", "ws_tile_start", "ws_tiles"]
 
 
 def gluon_jit(fn=None, **kwargs):
@@ -195,58 +192,6 @@ def ws_slice_offsets(n_start, k_start, N, K, SLICE_N: tl.constexpr, BK: tl.const
     return offs, mask, offs_n
 
 
-# The epilogue's TMA slices (`TileConfig.epilogue_buffers`): each [SLICE_N, BK] row slice of a tile's weights and
-# state is copied into a ring of shared-memory buffers, BUFFERS slices ahead of the update, so the slices in
-# flight hold no registers. The epilogue numbers its slices g = 0, 1, ... over all of its tiles; slice g lands
-# in buffer g % BUFFERS and completes phase (g // BUFFERS) & 1 of that buffer's barrier.
-
-
-@gluon_jit
-def ws_allocate_slices(desc, BUFFERS: tl.constexpr):
-    """A ring [BUFFERS, SLICE_N, BK] of shared-memory buffers for the TMA copies of `desc` (blocks [SLICE_N, BK])."""
-    SLICE_N: tl.constexpr = desc.block_type.shape[0]
-    BK: tl.constexpr = desc.block_type.shape[1]
-    return gl.allocate_shared_memory(desc.dtype, [BUFFERS, SLICE_N, BK], desc.layout)
-
-
-@gluon_jit
-def ws_allocate_barriers(COUNT: tl.constexpr):
-    """COUNT mbarriers, each completed by one arrival (with its expected bytes)."""
-    bars = gl.allocate_shared_memory(gl.int64, [COUNT, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(COUNT):
-        mbarrier.init(bars.index(i), count=1)
-    return bars
-
-
-@gluon_jit
-def ws_slice_start(g, first, N, K, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, SLICE_N: tl.constexpr):
-    """(first row, first column) of this program's slice number g: row slice g % (BN / SLICE_N) of its tile
-    number g // (BN / SLICE_N), tile `first + that · NUM_PROGRAMS`."""
-    SLICES: tl.constexpr = BN // SLICE_N
-    n_start, k_start = ws_tile_start(first + (g // SLICES) * NUM_PROGRAMS, N, K, BN, BK, GROUP_N)
-    return n_start + (g % SLICES) * SLICE_N, k_start
-
-
-@gluon_jit
-def ws_load_slice(desc, bufs, bar, row, col, b):
-    """Start the TMA copy of desc[row:+SLICE_N, col:+BK] into bufs[b], completing on `bar` (rows and columns
-    past the tensor read 0; the epilogue's stores are masked there)."""
-    _tma_load(desc, [row, col], bar, bufs.index(b))
-
-
-@gluon_jit
-def ws_sync_partition():
-    """Wait until every warp of this partition gets here (`bar.sync` on the partition's own barrier)."""
-    _partition_barrier()
-
-
-@gluon_jit
-def ws_smem_slice(bufs, b, EPILOGUE_WARPS: tl.constexpr):
-    """bufs[b] [SLICE_N, BK] in registers, in `epilogue_layout` (the storage type: int16 bf16 bits or fp32)."""
-    return bufs.index(b).load(epilogue_layout(EPILOGUE_WARPS))
-
-
 # ---------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------
@@ -260,20 +205,10 @@ def descriptor(t, block_shape: list[int]):
     return TensorDescriptor.from_tensor(t, block_shape, shared_layout(tuple(block_shape)))
 
 
-def slice_descriptor(t, block_shape: list[int]):
-    """A Gluon TMA descriptor of a weight or state tensor `t` [N, K] (int16 bf16 bits or float32) with blocks
-    `block_shape` [SLICE_N, BK], for the epilogue's TMA slices; `launch.tma_compatible(t)` must hold."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, block_shape, shared_layout(tuple(block_shape), str(t.dtype)))
-
-
 @functools.lru_cache(maxsize=None)
-def shared_layout(block_shape: tuple[int, ...], dtype: str = "torch.bfloat16"):
-    """The shared-memory layout of a TMA block of `block_shape` (the 128-byte swizzle wgmma reads), for a
-    torch dtype named `dtype`."""
-    element = {"torch.bfloat16": gl.bfloat16, "torch.int16": gl.int16, "torch.float32": gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), element)
+def shared_layout(block_shape: tuple[int, ...]):
+    """The shared-memory layout of a bf16 TMA block of `block_shape` (the 128-byte swizzle wgmma reads)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)

@@ -62,16 +62,12 @@ class TileConfig:
     mma_registers: Optional[int] = None
     # the warp-specialized epilogue loads each slice's weights and state before it updates the slice before
     prefetch: bool = True
-    # > 0: the warp-specialized epilogue reads weights and state through TMA copies into a ring of this many
-    # slice buffers in shared memory, started that many slices ahead (no registers held; `prefetch` unused)
-    epilogue_buffers: int = 0
 
     def __post_init__(self):
         if self.epilogue_split is None:
             object.__setattr__(self, "epilogue_split", 2 if self.k_halves else 1)
-        if self.epilogue_split not in (1, 2, 4, 8) or (self.epilogue_split == 8 and not self.mma_warps):
-            raise ValueError(f"epilogue_split must be 1, 2 or 4 (8 too in the warp-specialized kernel), "
-                             f"got {self.epilogue_split}")
+        if self.epilogue_split not in (1, 2, 4):
+            raise ValueError(f"epilogue_split must be 1, 2 or 4, got {self.epilogue_split}")
         if self.k_halves and self.epilogue_split == 1:
             raise ValueError("k_halves accumulates two column halves: give it epilogue_split=2 or 4")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
@@ -91,11 +87,9 @@ class TileConfig:
                 object.__setattr__(self, "mma_registers", 104 if self.mma_warps == 8 else 200)
             if not (24 <= self.mma_registers <= 256 and self.mma_registers % 8 == 0):
                 raise ValueError(f"mma_registers must be a multiple of 8 in [24, 256], got {self.mma_registers}")
-            if not 0 <= self.epilogue_buffers <= 8:
-                raise ValueError(f"epilogue_buffers must be in [0, 8], got {self.epilogue_buffers}")
-        elif self.mma_registers is not None or self.epilogue_buffers:
-            raise ValueError(f"mma_registers and epilogue_buffers apply to the warp-specialized kernel only: give "
-                             f"mma_warps 4 or 8, got {self}")
+        elif self.mma_registers is not None:
+            raise ValueError(f"mma_registers applies to the warp-specialized kernel only: give mma_warps 4 or 8, "
+                             f"got {self}")
 
     @property
     def warp_specialized(self) -> bool:
@@ -116,10 +110,9 @@ class TileConfig:
 
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
-        """'BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R][,ws=M][,mmaregs=R][,prefetch=P][,ebufs=E]'
-        → a TileConfig; HALVES and TMA are 0 or 1, S 1, 2, 4 or 8 (2 when HALVES is 1 and no split is given),
-        R registers per thread, M the warp-specialized kernel's MMA warps (4 or 8; it reads through TMA), P 0 or
-        1, E its epilogue's TMA slice buffers.
+        """'BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R][,ws=M][,mmaregs=R][,prefetch=P]' → a
+        TileConfig; HALVES and TMA are 0 or 1, S 1, 2 or 4 (2 when HALVES is 1 and no split is given), R
+        registers per thread, M the warp-specialized kernel's MMA warps (4 or 8; it reads through TMA), P 0 or 1.
         '64,128,128,8,3,0,1,split=4,maxnreg=128' → TileConfig(64, 128, 128, num_warps=8, num_stages=3, tma=True,
         epilogue_split=4, maxnreg=128); '64,128,128,8,4,split=4,ws=8' → the warp-specialized default."""
         keywords = {}
@@ -128,7 +121,7 @@ class TileConfig:
             values = [int(v) for v in tokens if "=" not in v]
             for token in (t for t in tokens if "=" in t):
                 key, value = token.split("=")
-                if key.strip() not in _CONFIG_KEYWORDS or key.strip() in keywords:
+                if key.strip() not in ("split", "maxnreg", "ws", "mmaregs", "prefetch") or key.strip() in keywords:
                     raise ValueError
                 keywords[key.strip()] = int(value)
             if len(values) not in (5, 6, 7) or any(v not in (0, 1) for v in values[5:]) or \
@@ -137,7 +130,7 @@ class TileConfig:
         except ValueError:
             raise ValueError("a tile config is five integers BT,BN,BK,WARPS,STAGES, then optionally HALVES and TMA "
                              "(0 or 1), split=1|2|4, maxnreg=REGISTERS, ws=MMA_WARPS, mmaregs=REGISTERS and "
-                             "prefetch=0|1 and ebufs=BUFFERS, "
+                             "prefetch=0|1, "
                              f"got {text!r}") from None
         bt, bn, bk, warps, stages, *rest = values
         halves = bool(rest[0]) if rest else False
@@ -145,10 +138,7 @@ class TileConfig:
         return cls(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, k_halves=halves,
                    tma=bool(rest[1]) if len(rest) > 1 else bool(ws), epilogue_split=keywords.get("split"),
                    maxnreg=keywords.get("maxnreg"), mma_warps=ws, mma_registers=keywords.get("mmaregs"),
-                   prefetch=bool(keywords.get("prefetch", 1)), epilogue_buffers=keywords.get("ebufs", 0))
-
-
-_CONFIG_KEYWORDS = ("split", "maxnreg", "ws", "mmaregs", "prefetch", "ebufs")  # TileConfig.parse's key=value options
+                   prefetch=bool(keywords.get("prefetch", 1)))
 
 
 def interpreting() -> bool:
@@ -420,8 +410,7 @@ def fused_linear_step(
                                  stored_bytes=stored_bytes(w_bf16, layouts))
     check_config(cfg, quantized)
     if cfg.warp_specialized:
-        _check_warp_specialized(fused_ws, x2, weight, tma_ok, cfg, [w_view, *state_args[0::2]],
-                                stored_bytes(w_bf16, layouts))
+        _check_warp_specialized(fused_ws, x2, weight, tma_ok, cfg)
         _launch_warp_specialized(fused_ws, cfg, x2, dy2, w_view, w_bf16, state_args, layouts, exports,
                                  mix_seed(seed, step), rounding)
         _commit_scalars(state, scalar_updates)
@@ -451,10 +440,8 @@ def fused_linear_step(
     _commit_scalars(state, scalar_updates)
 
 
-def _check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tma_ok: bool, cfg: TileConfig,
-                            stored: list[torch.Tensor], stored_bytes_per_element: int) -> None:
-    """Refuse a warp-specialized config where `fused_ws_v<i>` cannot run, saying what to use instead. `stored`: the
-    weight's and the states' storage tensors."""
+def _check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tma_ok: bool, cfg: TileConfig) -> None:
+    """Refuse a warp-specialized config where `fused_ws_v<i>` cannot run, saying what to use instead."""
     if fused_ws is None:
         raise ValueError(f"{cfg} asks for the warp-specialized kernel, which needs Triton ≥ 3.6 with Gluon; "
                          "use a config without mma_warps")
@@ -468,26 +455,6 @@ def _check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tm
         raise ValueError("the warp-specialized kernel reads x and dy through TMA: both need at least one token, rows "
                          "of contiguous elements, 16-byte aligned starts and row strides; use a config without "
                          "mma_warps")
-    if cfg.epilogue_buffers:
-        if not all(tma_compatible(t) for t in stored):
-            raise ValueError(f"{cfg}'s epilogue reads the weight and state through TMA (epilogue_buffers > 0): they "
-                             "need 16-byte aligned starts and row strides; use epilogue_buffers=0")
-        need = ws_shared_bytes(cfg, stored_bytes_per_element)
-        if need > WS_SHARED_BYTES:
-            raise ValueError(f"{cfg} needs {need} bytes of shared memory with {stored_bytes_per_element} bytes of "
-                             f"weight and state per element, more than the {WS_SHARED_BYTES} an SM has; use fewer "
-                             "epilogue_buffers or num_stages, or a larger epilogue_split")
-
-
-WS_SHARED_BYTES = 232448 - 1024  # an H100 / H200 SM's shared memory for one program, less room for the barriers
-
-
-def ws_shared_bytes(cfg: TileConfig, stored_bytes_per_element: int) -> int:
-    """Shared memory of the warp-specialized kernel: the ring of bf16 X / DY blocks, the fp32 dW tile, and the
-    epilogue's TMA slices of weights and state (`stored_bytes_per_element` bytes per element)."""
-    slice_n = cfg.block_n // cfg.epilogue_split
-    return (cfg.num_stages * cfg.block_t * (cfg.block_n + cfg.block_k) * 2 + cfg.block_n * cfg.block_k * 4
-            + cfg.epilogue_buffers * slice_n * cfg.block_k * stored_bytes_per_element)
 
 
 def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, state_args, layouts,
@@ -499,19 +466,12 @@ def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16:
     N = dy2.shape[1]
     x_desc = gluon_lib.descriptor(x2, [cfg.block_t, cfg.block_k])
     dy_desc = gluon_lib.descriptor(dy2, [cfg.block_t, cfg.block_n])
-    slice_n = cfg.block_n // cfg.epilogue_split
-    stored = [w_view, *state_args[0::2]]  # the weight's and the states' storage ([storage, scale] per state)
-    if cfg.epilogue_buffers:
-        slices = [gluon_lib.slice_descriptor(t, [slice_n, cfg.block_k]) for t in stored]
-    else:
-        slices = [None] * len(stored)
     programs = min(gluon_lib.sm_count(x2.device), triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k))
     fused_ws[(programs,)](
-        x_desc, dy_desc, w_view, *state_args, *exports, *slices, seed, T, N, K, n_blocks(K),
+        x_desc, dy_desc, w_view, *state_args, *exports, seed, T, N, K, n_blocks(K),
         W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
-        NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages, SLICE_N=slice_n,
-        EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch, EPILOGUE_BUFFERS=cfg.epilogue_buffers,
-        MMA_WARPS=cfg.mma_warps,
+        NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages, SLICE_N=cfg.block_n // cfg.epilogue_split,
+        EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch, MMA_WARPS=cfg.mma_warps,
         MMA_REGISTERS=cfg.mma_registers,
         num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg,
     )

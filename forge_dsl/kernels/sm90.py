@@ -83,8 +83,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
         fused = fused_ws
         constexprs = {"W_BF16": True, "STOCHASTIC": True, "NUM_PROGRAMS": 132, "GROUP_N": cfg.group_n,
                       "STAGES": cfg.num_stages, "SLICE_N": cfg.block_n // cfg.epilogue_split,
-                      "EPILOGUE_WARPS": cfg.num_warps, "PREFETCH": cfg.prefetch,
-                      "EPILOGUE_BUFFERS": cfg.epilogue_buffers, "MMA_WARPS": cfg.mma_warps,
+                      "EPILOGUE_WARPS": cfg.num_warps, "PREFETCH": cfg.prefetch, "MMA_WARPS": cfg.mma_warps,
                       "MMA_REGISTERS": cfg.mma_registers, **layouts}
     else:
         constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
@@ -99,15 +98,6 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
         elif arg in ("X", "DY") and cfg.warp_specialized:
             block = cfg.tma_blocks[0 if arg == "X" else 1]
             signature[arg] = f"tensordesc<bf16{block},{gluon_lib.shared_layout(tuple(block))!r}>"
-        elif arg == "W_DESC" or arg.startswith("SD_"):  # the epilogue's TMA slices (None without)
-            if not cfg.epilogue_buffers:
-                signature[arg] = "constexpr"
-                constexprs[arg] = None
-                continue
-            element = "i16" if arg == "W_DESC" else _STATE_POINTER[StateLayout(layouts[f"LAYOUT_{arg[3:]}"])][1:]
-            block = [cfg.block_n // cfg.epilogue_split, cfg.block_k]
-            dtype = {"i16": "torch.int16", "fp32": "torch.float32"}[element]
-            signature[arg] = f"tensordesc<{element}{block},{gluon_lib.shared_layout(tuple(block), dtype)!r}>"
         elif arg in ("X", "DY") and cfg.tma:
             signature[arg] = f"tensordesc<{act}{cfg.tma_blocks[0 if arg == 'X' else 1]}>"
         elif arg in ("X", "DY"):
