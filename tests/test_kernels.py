@@ -195,6 +195,10 @@ SPLIT_CONFIGS = {q: kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, t
 # The warp-specialized kernel (Hopper GPUs only: Gluon has no interpreter), with 4 MMA warps, 4 epilogue
 # warps on 32-row slices and 32-token blocks: one program per tile here (72 × 136 is two ragged tiles).
 WS_CONFIG = kernels.TileConfig(32, 128, 128, num_warps=4, num_stages=2, tma=True, epilogue_split=4, mma_warps=4)
+# who updates the tiles: the epilogue warps with / without the next slice's prefetch; the MMA warps 1 or 3 of 4 slices
+WS_EPILOGUES = {"ws": WS_CONFIG, "ws-no-prefetch": dataclasses.replace(WS_CONFIG, prefetch=False),
+                "ws-mma-slice": dataclasses.replace(WS_CONFIG, mma_slices=1),
+                "ws-mma-3-slices": dataclasses.replace(WS_CONFIG, mma_slices=3, prefetch=False)}
 
 
 def hopper_with_gluon() -> bool:
@@ -211,15 +215,16 @@ def test_layouts(name, fused, layout, w_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+@pytest.mark.parametrize("epilogue", list(WS_EPILOGUES))
 @pytest.mark.parametrize("layout", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", SPECS)
-def test_layouts_warp_specialized(name, layout, prefetch, w_dtype):
+def test_layouts_warp_specialized(name, layout, epilogue, w_dtype):
     """`test_layouts` for the warp-specialized kernel: bf16 activations, fp32 or bf16 weights, fp32 or bf16
-    state (what it takes; the refusals are in test_warp_specialized_configs_are_refused_where_they_cannot_run)."""
+    state (what it takes; the refusals are in test_warp_specialized_configs_are_refused_where_they_cannot_run),
+    with and without the epilogue's prefetch, and with the MMA warps updating some of each tile's slices."""
     if not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU (Gluon has no interpreter)")
-    check_layouts(name, "ws" if prefetch else "ws-no-prefetch", layout, w_dtype, act=torch.bfloat16)
+    check_layouts(name, epilogue, layout, w_dtype, act=torch.bfloat16)
 
 
 def check_layouts(name, fused, layout, w_dtype, act=None):
@@ -241,7 +246,7 @@ def check_layouts(name, fused, layout, w_dtype, act=None):
             kernels.slab_linear_step(spec, x, dy, w, state, step=step, seed=7, slab_bytes=slab_bytes, **kw)
         elif fused:
             config = {"halves": HALVES_CONFIG, "split": SPLIT_CONFIGS[layout in ("int8", "mixed")],
-                      "ws": WS_CONFIG, "ws-no-prefetch": dataclasses.replace(WS_CONFIG, prefetch=False)}.get(fused)
+                      **WS_EPILOGUES}.get(fused)
             kernels.fused_linear_step(spec, x, dy, w, state, step=step, seed=7, config=config, **kw)
         else:
             kernels.step(spec, w, dw.float().to(DEVICE), state, step=step, seed=7, **kw)
@@ -373,7 +378,8 @@ def test_tile_configs_are_validated():
 
 def test_default_tile_configs_on_the_h200():
     """docs/PERF.md, v7: the warp-specialized kernel on layers of 2^22 elements and more (bf16 activations,
-    fp32 / bf16 state, a Hopper GPU with Gluon); v4 and v5 otherwise: 128×128 tiles with a quarter-slice
+    fp32 / bf16 state, a Hopper GPU with Gluon), its MMA warps updating a slice of each tile up to 512 tokens
+    (v8); v4 and v5 otherwise: 128×128 tiles with a quarter-slice
     epilogue in 128 registers, except 64×64 tiles up to 512 tokens on layers of 2^24 elements and more,
     and up to 1024 on layers under 2^22; int8 state and float32 activations have their own tiles."""
     cuda = torch.device("cuda")
@@ -385,8 +391,11 @@ def test_default_tile_configs_on_the_h200():
     assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, stored_bytes=10).prefetch  # two fp32 states
     assert launch.stored_bytes(True, {"LAYOUT_m": 1, "LAYOUT_v": 0}) == 8
     assert launch.stored_bytes(False, {"LAYOUT_m": 2}) == 5
-    for T, n, k in ((512, 4096, 4096), (8192, 14336, 4096), (2048, 128256, 4096), (512, 1024, 4096)):
+    assert ws.mma_slices == 0  # the epilogue warps update every slice ...
+    for T, n, k in ((8192, 14336, 4096), (2048, 128256, 4096), (513, 1024, 4096)):
         assert launch.fused_config(T, n, k, cuda, hopper=True) == ws
+    for T, n, k in ((512, 4096, 4096), (512, 128256, 4096), (1, 1024, 4096)):  # ... the MMA warps one of 4 (v8)
+        assert launch.fused_config(T, n, k, cuda, hopper=True) == dataclasses.replace(ws, mma_slices=1)
     assert not launch.fused_config(2048, 1024, 2048, cuda, hopper=True).warp_specialized  # 128 tiles: idle SMs
     assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, warp_specialize=False).warp_specialized
     assert not launch.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=True).warp_specialized
@@ -421,7 +430,9 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
                          (dict(mma_warps=8, tma=True, mma_registers=100), "mma_registers must be a multiple of 8"),
                          (dict(mma_warps=8, tma=True, num_stages=1), "a TMA ring of at least 2 buffers"),
                          (dict(mma_warps=8), "give it tma=True"),
-                         (dict(mma_registers=104), "mma_registers applies to the warp-specialized kernel only")):
+                         (dict(mma_warps=8, tma=True, epilogue_split=4, mma_slices=4), "at least one of the tile"),
+                         (dict(mma_registers=104), "apply to the warp-specialized kernel only"),
+                         (dict(mma_slices=1), "apply to the warp-specialized kernel only")):
         with pytest.raises(ValueError, match=message):
             kernels.TileConfig(64, 128, 128, **bad)
     with pytest.raises(ValueError, match="128×128 tiles"):
@@ -429,8 +440,10 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
     assert kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8") == kernels.TileConfig(
         64, 128, 128, num_warps=8, num_stages=4, tma=True, epilogue_split=4, mma_warps=8, mma_registers=104)
     assert not kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,prefetch=0").prefetch
-    with pytest.raises(ValueError, match="prefetch=0|1"):
-        kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,prefetch=7")
+    assert kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,mmaslices=1").mma_slices == 1
+    for bad in ("prefetch=7", "mmaslices=x", "slices=1"):
+        with pytest.raises(ValueError, match="prefetch=0|1 and mmaslices=SLICES"):
+            kernels.TileConfig.parse(f"64,128,128,8,4,split=4,ws=8,{bad}")
     assert kernels.TileConfig(32, 128, 128, num_warps=4, tma=True, mma_warps=4).mma_registers == 200
     w, x, dy = make_problem(4, torch.bfloat16)
     cases = [("int8", x, WS_CONFIG, "takes fp32 and bf16 state; int8 state runs on the Triton kernel")]

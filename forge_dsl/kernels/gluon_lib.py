@@ -7,11 +7,13 @@ program of three partitions that work on different tiles at once:
 
   `loader`   (1 warp)   TMA copies of DY [BLOCK_T, BN] and X [BLOCK_T, BK] blocks into a ring of
                         STAGES shared-memory buffers (`ready` / `empty` barriers per buffer);
-  `mma`      (MMA_WARPS) wgmma: acc [BN, BK] fp32 += DY blockᵀ · X block over every token block,
-                        then the finished tile goes to shared memory (`acc_smem`, 64 KiB) and the
-                        partition starts on its next tile;
+  `mma`      (MMA_WARPS; generated per spec variant, `_mma_ws_v<i>`, from `ws_accumulate` and
+                        `ws_hand_over`) wgmma: acc [BN, BK] fp32 += DY blockᵀ · X block over every
+                        token block, then the finished tile goes to shared memory (`acc_smem`, 64 KiB);
+                        with MMA_SLICES > 0 it updates the tile's last MMA_SLICES row slices itself
+                        (where the token loop is shorter than the epilogue), then starts its next tile;
   epilogue   (the kernel's num_warps; generated per spec variant, `_epilogue_ws_v<i>`)
-                        reads `acc_smem` in [SLICE_N, BK] row slices and applies the spec's
+                        reads `acc_smem` in [SLICE_N, BK] row slices (the others) and applies the spec's
                         `_load_v<i>` / `_apply_v<i>` (the same update code as the Triton kernels).
 
 Tiles are 128 × 128 (BN × BK), visited by every partition in the same order: tile `program_id +
@@ -49,8 +51,8 @@ except ImportError:  # an older Triton: the Triton kernels only
     AVAILABLE = False
 
 __all__ = ["AVAILABLE", "descriptor", "gl", "gluon_jit", "mbarrier", "shared_layout", "sm_count", "ws_allocate",
-           "ws_loader",
-           "ws_mma", "ws_read_slice", "ws_slice_offsets", "ws_tile_start", "ws_tiles"]
+           "ws_accumulate", "ws_hand_over", "ws_loader", "ws_read_slice", "ws_slice_offsets", "ws_tile_start",
+           "ws_tiles"]
 
 
 def gluon_jit(fn=None, **kwargs):
@@ -91,10 +93,11 @@ def ws_tile_start(tile, N, K, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.co
 
 
 @gluon_jit
-def ws_allocate(X, DY, STAGES: tl.constexpr):
+def ws_allocate(X, DY, STAGES: tl.constexpr, MMA_SLICES: tl.constexpr):
     """Shared memory and barriers of one program: (x_bufs [STAGES, BT, BK] and dy_bufs [STAGES, BT, BN],
     the ring; acc_smem [BN, BK] fp32, the finished tile; ready, empty [STAGES] barriers of the ring;
-    acc_ready, acc_empty, the barriers of acc_smem). X and DY are TMA descriptors."""
+    acc_ready, acc_empty, the barriers of acc_smem: acc_empty waits for the epilogue and, when it updates
+    MMA_SLICES > 0 slices itself, for the mma partition too). X and DY are TMA descriptors."""
     BT: tl.constexpr = X.block_type.shape[0]
     BK: tl.constexpr = X.block_type.shape[1]
     BN: tl.constexpr = DY.block_type.shape[1]
@@ -110,7 +113,7 @@ def ws_allocate(X, DY, STAGES: tl.constexpr):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     mbarrier.init(acc_ready, count=1)
-    mbarrier.init(acc_empty, count=1)
+    mbarrier.init(acc_empty, count=2 if MMA_SLICES > 0 else 1)
     return x_bufs, dy_bufs, acc_smem, ready, empty, acc_ready, acc_empty
 
 
@@ -137,44 +140,45 @@ def ws_loader(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_emp
 
 
 @gluon_jit
-def ws_mma(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, N, K,
-           NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr):
-    """Worker partition (4 or 8 warps): acc [BN, BK] fp32 = DYᵀ·X over all T tokens with wgmma, one
-    asynchronous MMA in flight while the next block's copy lands; then wait until the epilogue has
-    read the previous tile out of acc_smem, store this one there and signal acc_ready."""
+def ws_accumulate(X, DY, x_bufs, dy_bufs, ready, empty, it, T, n_start, k_start):
+    """In the mma partition (4 or 8 warps): (acc [BN, BK] fp32 = DY[:, n-block]ᵀ · X[:, k-block] over all T
+    tokens, the ring position after them). wgmma with one asynchronous MMA in flight while the next block's
+    copy lands; each ring buffer goes back to the loader once the MMA that read it is done. `it` counts the
+    ring's blocks over all of the program's tiles (the ring's phase)."""
     BT: tl.constexpr = X.block_type.shape[0]
     BK: tl.constexpr = X.block_type.shape[1]
     BN: tl.constexpr = DY.block_type.shape[1]
     STAGES: tl.constexpr = x_bufs.type.shape[0]
-    layout: tl.constexpr = mma_layout(gl.num_warps(), BK)
-    first, num_tiles = ws_tiles(N, K, BN, BK)
-    it = 0
-    j = 0
-    for tile in range(first, num_tiles, NUM_PROGRAMS):
-        acc = gl.zeros([BN, BK], gl.float32, layout)
-        for t0 in range(0, T, BT):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            acc = warpgroup_mma(dy_bufs.index(s).permute((1, 0)), x_bufs.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            # the MMA before this one has read its buffer: hand it back to the loader
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=t0 > 0)
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=T > 0)
-        mbarrier.wait(acc_empty, (j & 1) ^ 1)
-        acc_smem.store(acc)
-        mbarrier.arrive(acc_ready)
-        j += 1
+    acc = gl.zeros([BN, BK], gl.float32, mma_layout(gl.num_warps(), BK))
+    for t0 in range(0, T, BT):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        acc = warpgroup_mma(dy_bufs.index(s).permute((1, 0)), x_bufs.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        # the MMA before this one has read its buffer: hand it back to the loader
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=t0 > 0)
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=T > 0)
+    return acc, it
 
 
 @gluon_jit
-def ws_read_slice(acc_smem, acc_empty, r: tl.constexpr, SLICE_N: tl.constexpr, EPILOGUE_WARPS: tl.constexpr):
+def ws_hand_over(acc, acc_smem, acc_ready, acc_empty, j):
+    """In the mma partition: wait until every reader of the program's tile j - 1 is done with acc_smem, store
+    tile j's acc there and signal acc_ready."""
+    mbarrier.wait(acc_empty, (j & 1) ^ 1)
+    acc_smem.store(acc)
+    mbarrier.arrive(acc_ready)
+
+
+@gluon_jit
+def ws_read_slice(acc_smem, acc_empty, r: tl.constexpr, LAST: tl.constexpr, SLICE_N: tl.constexpr,
+                  EPILOGUE_WARPS: tl.constexpr):
     """Rows [r·SLICE_N, +SLICE_N) of the finished tile, [SLICE_N, BK] fp32 in `epilogue_layout`; after
-    the last slice, acc_smem is handed back to the mma partition."""
-    BN: tl.constexpr = acc_smem.type.shape[0]
+    slice LAST, the last this partition reads, it tells the mma partition (acc_empty) it is done with the tile."""
     b_grad = acc_smem.slice(r * SLICE_N, SLICE_N, dim=0).load(epilogue_layout(EPILOGUE_WARPS))
-    if r == BN // SLICE_N - 1:
+    if r == LAST:
         mbarrier.arrive(acc_empty)
     return b_grad
 

@@ -62,6 +62,9 @@ class TileConfig:
     mma_registers: Optional[int] = None
     # the warp-specialized epilogue loads each slice's weights and state before it updates the slice before
     prefetch: bool = True
+    # the warp-specialized kernel's MMA warps update the last mma_slices row slices of each tile themselves,
+    # between its token loop and the next tile's (the epilogue warps the others)
+    mma_slices: int = 0
 
     def __post_init__(self):
         if self.epilogue_split is None:
@@ -87,9 +90,12 @@ class TileConfig:
                 object.__setattr__(self, "mma_registers", 104 if self.mma_warps == 8 else 200)
             if not (24 <= self.mma_registers <= 256 and self.mma_registers % 8 == 0):
                 raise ValueError(f"mma_registers must be a multiple of 8 in [24, 256], got {self.mma_registers}")
-        elif self.mma_registers is not None:
-            raise ValueError(f"mma_registers applies to the warp-specialized kernel only: give mma_warps 4 or 8, "
-                             f"got {self}")
+            if not 0 <= self.mma_slices < self.epilogue_split:
+                raise ValueError(f"mma_slices must leave the epilogue warps at least one of the tile's "
+                                 f"{self.epilogue_split} row slices (0 <= mma_slices < epilogue_split), got {self}")
+        elif self.mma_registers is not None or self.mma_slices:
+            raise ValueError(f"mma_registers and mma_slices apply to the warp-specialized kernel only: give "
+                             f"mma_warps 4 or 8, got {self}")
 
     @property
     def warp_specialized(self) -> bool:
@@ -110,9 +116,10 @@ class TileConfig:
 
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
-        """'BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R][,ws=M][,mmaregs=R][,prefetch=P]' → a
-        TileConfig; HALVES and TMA are 0 or 1, S 1, 2 or 4 (2 when HALVES is 1 and no split is given), R
-        registers per thread, M the warp-specialized kernel's MMA warps (4 or 8; it reads through TMA), P 0 or 1.
+        """'BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R][,ws=M][,mmaregs=R][,prefetch=P]
+        [,mmaslices=U]' → a TileConfig; HALVES and TMA are 0 or 1, S 1, 2 or 4 (2 when HALVES is 1 and no split is
+        given), R registers per thread, M the warp-specialized kernel's MMA warps (4 or 8; it reads through TMA),
+        P 0 or 1, U the row slices of each tile its MMA warps update.
         '64,128,128,8,3,0,1,split=4,maxnreg=128' → TileConfig(64, 128, 128, num_warps=8, num_stages=3, tma=True,
         epilogue_split=4, maxnreg=128); '64,128,128,8,4,split=4,ws=8' → the warp-specialized default."""
         keywords = {}
@@ -121,7 +128,7 @@ class TileConfig:
             values = [int(v) for v in tokens if "=" not in v]
             for token in (t for t in tokens if "=" in t):
                 key, value = token.split("=")
-                if key.strip() not in ("split", "maxnreg", "ws", "mmaregs", "prefetch") or key.strip() in keywords:
+                if key.strip() not in _CONFIG_KEYWORDS or key.strip() in keywords:
                     raise ValueError
                 keywords[key.strip()] = int(value)
             if len(values) not in (5, 6, 7) or any(v not in (0, 1) for v in values[5:]) or \
@@ -130,7 +137,7 @@ class TileConfig:
         except ValueError:
             raise ValueError("a tile config is five integers BT,BN,BK,WARPS,STAGES, then optionally HALVES and TMA "
                              "(0 or 1), split=1|2|4, maxnreg=REGISTERS, ws=MMA_WARPS, mmaregs=REGISTERS and "
-                             "prefetch=0|1, "
+                             "prefetch=0|1 and mmaslices=SLICES, "
                              f"got {text!r}") from None
         bt, bn, bk, warps, stages, *rest = values
         halves = bool(rest[0]) if rest else False
@@ -138,7 +145,10 @@ class TileConfig:
         return cls(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, k_halves=halves,
                    tma=bool(rest[1]) if len(rest) > 1 else bool(ws), epilogue_split=keywords.get("split"),
                    maxnreg=keywords.get("maxnreg"), mma_warps=ws, mma_registers=keywords.get("mmaregs"),
-                   prefetch=bool(keywords.get("prefetch", 1)))
+                   prefetch=bool(keywords.get("prefetch", 1)), mma_slices=keywords.get("mmaslices", 0))
+
+
+_CONFIG_KEYWORDS = ("split", "maxnreg", "ws", "mmaregs", "prefetch", "mmaslices")  # TileConfig.parse's key=value
 
 
 def interpreting() -> bool:
@@ -157,6 +167,9 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it out
     (activations a TMA descriptor cannot read).
     `hopper`: whether `device` is such a GPU (default: ask it; pass True to plan for one from anywhere).
+    Up to `WS_MMA_SLICE_MAX_TOKENS` tokens, where a tile's token loop is much shorter than its update, the
+    MMA warps update the last of each tile's four row slices themselves, the epilogue warps the other three
+    (docs/PERF.md, v8: 1-5 % faster at 512 tokens on every Llama-3.1-8B layer; slower from 1024).
     Its epilogue prefetches the next slice's weights and state when they take at most
     `WS_PREFETCH_MAX_BYTES` bytes per element (`stored_bytes`, e.g. 6 for bf16 weights and two bf16
     states): 11–15 % faster at 512 tokens with AdamW's bf16 state; with two fp32 states the prefetched
@@ -187,7 +200,8 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
         hopper = _hopper_with_gluon(device)
     if warp_specialize and hopper and N * K >= 2**22 and not quantized:
         return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=True,
-                          epilogue_split=4, mma_warps=8, prefetch=stored_bytes <= WS_PREFETCH_MAX_BYTES)
+                          epilogue_split=4, mma_warps=8, prefetch=stored_bytes <= WS_PREFETCH_MAX_BYTES,
+                          mma_slices=1 if T <= WS_MMA_SLICE_MAX_TOKENS else 0)
     if quantized:
         if T <= 4096:
             return TileConfig(block_t=64, block_n=128, block_k=64, group_n=8, num_warps=8, num_stages=4, tma=True,
@@ -200,6 +214,7 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
 
 
 WS_PREFETCH_MAX_BYTES = 6  # the warp-specialized epilogue's prefetch fits its registers up to this (see fused_config)
+WS_MMA_SLICE_MAX_TOKENS = 512  # up to this T, the warp-specialized kernel's MMA warps update a slice of each tile
 _STORED_BYTES = {StateLayout.FP32: 4, StateLayout.BF16: 2, StateLayout.INT8: 1, StateLayout.UINT8_SQRT: 1}
 
 
@@ -472,7 +487,7 @@ def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16:
         W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
         NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages, SLICE_N=cfg.block_n // cfg.epilogue_split,
         EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch, MMA_WARPS=cfg.mma_warps,
-        MMA_REGISTERS=cfg.mma_registers,
+        MMA_REGISTERS=cfg.mma_registers, MMA_SLICES=cfg.mma_slices,
         num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg,
     )
 

@@ -84,6 +84,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
         constexprs = {"W_BF16": True, "STOCHASTIC": True, "NUM_PROGRAMS": 132, "GROUP_N": cfg.group_n,
                       "STAGES": cfg.num_stages, "SLICE_N": cfg.block_n // cfg.epilogue_split,
                       "EPILOGUE_WARPS": cfg.num_warps, "PREFETCH": cfg.prefetch, "MMA_WARPS": cfg.mma_warps,
+                      "MMA_SLICES": cfg.mma_slices,
                       "MMA_REGISTERS": cfg.mma_registers, **layouts}
     else:
         constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
