@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -195,7 +196,9 @@ SPLIT_CONFIGS = {q: kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, t
 # The warp-specialized kernel (Hopper GPUs only: Gluon has no interpreter), with 4 MMA warps, 4 epilogue
 # warps on 32-row slices and 32-token blocks: one program per tile here (72 × 136 is two ragged tiles).
 WS_CONFIG = kernels.TileConfig(32, 128, 128, num_warps=4, num_stages=2, tma=True, epilogue_split=4, mma_warps=4)
-# who updates the tiles: the epilogue warps with / without the next slice's prefetch; the MMA warps 1 or 3 of 4 slices
+# who updates the tiles: the epilogue warps with / without the next slice's prefetch; the MMA warps 1 or 3 of 4
+# slices (at N = 72 the last slice is all rows past N: U = 1 checks the hand-over with two readers, U = 3 the MMA
+# warps' own update; test_default_configs_on_llama_sized_layers runs U = 1 with several tiles per program)
 WS_EPILOGUES = {"ws": WS_CONFIG, "ws-no-prefetch": dataclasses.replace(WS_CONFIG, prefetch=False),
                 "ws-mma-slice": dataclasses.replace(WS_CONFIG, mma_slices=1),
                 "ws-mma-3-slices": dataclasses.replace(WS_CONFIG, mma_slices=3, prefetch=False)}
@@ -389,6 +392,7 @@ def test_default_tile_configs_on_the_h200():
     assert ws.launch_maxnreg == 96  # 20 warps share an SM's 64 K registers
     assert ws.prefetch  # bf16 weights and two bf16 states: 6 bytes per element
     assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, stored_bytes=10).prefetch  # two fp32 states
+    assert launch.fused_config(512, 4096, 4096, cuda, hopper=True, stored_bytes=10).mma_slices == 0  # not measured
     assert launch.stored_bytes(True, {"LAYOUT_m": 1, "LAYOUT_v": 0}) == 8
     assert launch.stored_bytes(False, {"LAYOUT_m": 2}) == 5
     assert ws.mma_slices == 0  # the epilogue warps update every slice ...
@@ -442,7 +446,7 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
     assert not kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,prefetch=0").prefetch
     assert kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,mmaslices=1").mma_slices == 1
     for bad in ("prefetch=7", "mmaslices=x", "slices=1"):
-        with pytest.raises(ValueError, match="prefetch=0|1 and mmaslices=SLICES"):
+        with pytest.raises(ValueError, match=re.escape("prefetch=0|1 and mmaslices=SLICES")):
             kernels.TileConfig.parse(f"64,128,128,8,4,split=4,ws=8,{bad}")
     assert kernels.TileConfig(32, 128, 128, num_warps=4, tma=True, mma_warps=4).mma_registers == 200
     w, x, dy = make_problem(4, torch.bfloat16)

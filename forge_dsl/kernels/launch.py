@@ -167,9 +167,10 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it out
     (activations a TMA descriptor cannot read).
     `hopper`: whether `device` is such a GPU (default: ask it; pass True to plan for one from anywhere).
-    Up to `WS_MMA_SLICE_MAX_TOKENS` tokens, where a tile's token loop is much shorter than its update, the
-    MMA warps update the last of each tile's four row slices themselves, the epilogue warps the other three
-    (docs/PERF.md, v8: 1-5 % faster at 512 tokens on every Llama-3.1-8B layer; slower from 1024).
+    Up to `WS_MMA_SLICE_MAX_TOKENS` tokens, where a tile's token loop is much shorter than its update, and
+    with the prefetching epilogue (as measured), the MMA warps update the last of each tile's four row slices
+    themselves, the epilogue warps the other three (docs/PERF.md, v8: AdamW with bf16 state 0.7-4.4 % faster
+    at 512 tokens on the Llama-3.1-8B layers; slower from 1024).
     Its epilogue prefetches the next slice's weights and state when they take at most
     `WS_PREFETCH_MAX_BYTES` bytes per element (`stored_bytes`, e.g. 6 for bf16 weights and two bf16
     states): 11–15 % faster at 512 tokens with AdamW's bf16 state; with two fp32 states the prefetched
@@ -199,9 +200,10 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     if hopper is None:
         hopper = _hopper_with_gluon(device)
     if warp_specialize and hopper and N * K >= 2**22 and not quantized:
+        prefetch = stored_bytes <= WS_PREFETCH_MAX_BYTES
         return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=True,
-                          epilogue_split=4, mma_warps=8, prefetch=stored_bytes <= WS_PREFETCH_MAX_BYTES,
-                          mma_slices=1 if T <= WS_MMA_SLICE_MAX_TOKENS else 0)
+                          epilogue_split=4, mma_warps=8, prefetch=prefetch,
+                          mma_slices=1 if prefetch and T <= WS_MMA_SLICE_MAX_TOKENS else 0)
     if quantized:
         if T <= 4096:
             return TileConfig(block_t=64, block_n=128, block_k=64, group_n=8, num_warps=8, num_stages=4, tma=True,
