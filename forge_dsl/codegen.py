@@ -228,6 +228,10 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
             indent,
         )
 
+    def row_slice_args(grad: str, warps: str, indent: str) -> str:
+        return _wrapped_args(["W", *state_ptrs, *exports, grad, "n_start + r * SLICE_N", "k_start", "N", "K",
+                              "n_blocks", "seed", "W_BF16", "STOCHASTIC", *layouts, "SLICE_N", "BK", warps], indent)
+
     return {
         "raw": raw,
         "load_args": load_args("W", " " * 12),
@@ -242,17 +246,20 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
                                               (4, [(f"acc_{i}", f"k_start + {i} * SLICE_K" if i else "k_start")
                                                    for i in range(4)]))},
         "apply_step": apply_args("P", "b_grad", " " * 8),
-        # the warp-specialized kernel's epilogue partition: [SLICE_N, BK] row slices
+        # the warp-specialized kernel: [SLICE_N, BK] row slices, prefetched by the epilogue partition ...
         "load_args_ws": load_args("W", " " * 16, "BK", "SLICE_N"),
-        "load_args_ws_inner": load_args("W", " " * 20, "BK", "SLICE_N"),
-        "load_args_ws_next": load_args("W", " " * 20, "BK", "SLICE_N", prefix="next_"),
+        "load_args_ws_next": load_args("W", " " * 24, "BK", "SLICE_N", prefix="next_"),
         "next_raw": [f"next_{name}" for name in raw],
-        "apply_ws": apply_args("W", "acc", " " * 16, "BK", "SLICE_N"),
+        "apply_ws": apply_args("W", "acc", " " * 20, "BK", "SLICE_N"),
+        # ... or not (_row_slice_ws_v<i>, in either partition)
+        "load_args_row_slice": load_args("W", " " * 8, "BK", "SLICE_N"),
+        "apply_row_slice": apply_args("W", "b_grad", " " * 8, "BK", "SLICE_N"),
+        "row_slice_args_epilogue": row_slice_args("acc", "EPILOGUE_WARPS", " " * 20),
+        "row_slice_args_mma": row_slice_args("b_grad", "WARPS", " " * 16),
         "epilogue_ws_args": _wrapped_args(["W", *state_ptrs, *exports, "acc_smem", "acc_ready", "acc_empty", "seed",
                                            "N", "K", "n_blocks", "W_BF16", "STOCHASTIC", *layouts, "NUM_PROGRAMS",
                                            "GROUP_N", "SLICE_N", "EPILOGUE_WARPS", "PREFETCH", "MMA_SLICES"],
                                           " " * 12),
-        "apply_ws_mma": apply_args("W", "b_grad", " " * 16, "BK", "SLICE_N"),
         "mma_ws_args": _wrapped_args(["X", "DY", "x_bufs", "dy_bufs", "ready", "empty", "acc_smem", "acc_ready",
                                       "acc_empty", "T", "W", *state_ptrs, *exports, "seed", "N", "K", "n_blocks",
                                       "W_BF16", "STOCHASTIC", *layouts, "NUM_PROGRAMS", "GROUP_N", "SLICE_N",

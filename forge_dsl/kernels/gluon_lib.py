@@ -118,8 +118,7 @@ def ws_allocate(X, DY, STAGES: tl.constexpr, MMA_SLICES: tl.constexpr):
 
 
 @gluon_jit
-def ws_loader(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, N, K,
-              NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr):
+def ws_loader(X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr):
     """Worker partition (1 warp): for each tile and token block, wait for a free ring buffer and
     start the TMA copies of X[t0:+BT, k-block] and DY[t0:+BT, n-block] into it (rows past T read 0)."""
     BT: tl.constexpr = X.block_type.shape[0]

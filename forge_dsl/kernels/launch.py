@@ -427,7 +427,8 @@ def fused_linear_step(
                                  stored_bytes=stored_bytes(w_bf16, layouts))
     check_config(cfg, quantized)
     if cfg.warp_specialized:
-        _check_warp_specialized(fused_ws, x2, weight, tma_ok, cfg)
+        if config is not None:  # fused_config picks it only where it runs
+            _check_warp_specialized(fused_ws, x2, weight, tma_ok, cfg)
         _launch_warp_specialized(fused_ws, cfg, x2, dy2, w_view, w_bf16, state_args, layouts, exports,
                                  mix_seed(seed, step), rounding)
         _commit_scalars(state, scalar_updates)

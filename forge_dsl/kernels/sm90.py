@@ -84,8 +84,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
         constexprs = {"W_BF16": True, "STOCHASTIC": True, "NUM_PROGRAMS": 132, "GROUP_N": cfg.group_n,
                       "STAGES": cfg.num_stages, "SLICE_N": cfg.block_n // cfg.epilogue_split,
                       "EPILOGUE_WARPS": cfg.num_warps, "PREFETCH": cfg.prefetch, "MMA_WARPS": cfg.mma_warps,
-                      "MMA_SLICES": cfg.mma_slices,
-                      "MMA_REGISTERS": cfg.mma_registers, **layouts}
+                      "MMA_REGISTERS": cfg.mma_registers, "MMA_SLICES": cfg.mma_slices, **layouts}
     else:
         constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
                       "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
