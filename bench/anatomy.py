@@ -18,8 +18,8 @@ the median per call of a CUDA graph replaying the call 20 times (no host overhea
 fused ≈ token loop + epilogue means nothing overlaps the epilogue; fused ≈ max of the two means
 co-resident programs hide it. The tiles are the Triton kernel's (`fused_config(..., hopper=False)`), also
 on Hopper, where `forge-bench kernel` times the warp-specialized kernel instead. Scratch weights and state
-only (never live ones). The same buffers are replayed: a layer whose weights and state fit in the L2 (k/v) is timed warm; `forge-bench kernel
---timing graph` rotates copies past the L2.
+only (never live ones). The same buffers are replayed: a layer whose weights and state fit in the L2 (k/v)
+is timed warm; `forge-bench kernel --timing graph` rotates copies past the L2.
 """
 
 from __future__ import annotations
