@@ -216,15 +216,15 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     def load_args(weight: str, indent: str, block_k: str = "BLOCK_K", block_n: str = "BLOCK_N",
                   prefix: str = "") -> str:
         return _wrapped_args(
-            [weight, *state_ptrs, f"{prefix}offs", f"{prefix}mask", f"{prefix}offs_n", "k_start", "n_blocks", "W_BF16",
-             *layouts, block_n, block_k],
+            [weight, *state_ptrs, f"{prefix}offs", f"{prefix}mask", f"{prefix}scale_offs", "W_BF16", *layouts,
+             block_n, block_k],
             indent,
         )
 
     def apply_args(weight: str, grad: str, indent: str, block_k: str = "BLOCK_K", block_n: str = "BLOCK_N") -> str:
         return _wrapped_args(
-            [weight, *state_ptrs, *exports, grad, *raw, "offs", "mask", "offs_n", "k_start", *common,
-             *layouts, block_n, block_k],
+            [weight, *state_ptrs, *exports, grad, *raw, "offs", "mask", "scale_offs", "seed", "W_BF16",
+             "STOCHASTIC", *layouts, block_n, block_k],
             indent,
         )
 
@@ -284,8 +284,8 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
 def render_module(spec: ir.Spec, spec_path: str) -> str:
     """The generated module for `spec` (read from `spec_path`, a name shown in the header)."""
     variants = [_variant_data(spec, i, low) for i, low in enumerate(lower_all(spec))]
-    lib_imports = ["accumulate_dw", "accumulate_dw_halves", "decode_weight", "load_weight", "load_weight_raw",
-                   "split_columns", "store_weight", "tile_at", "tile_offsets"]
+    lib_imports = ["accumulate_dw", "accumulate_dw_halves", "block_scale_offsets", "decode_weight", "load_weight",
+                   "load_weight_raw", "split_columns", "store_weight", "tile_at", "tile_offsets"]
     if any(v["states"] for v in variants):
         lib_imports += ["decode_state", "load_state_raw", "store_state"]
     needs_op = any("_op(" in line.expr for v in variants for line in v["host_lines"])

@@ -219,12 +219,13 @@ def test_layouts(name, fused, layout, w_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
 @pytest.mark.parametrize("epilogue", list(WS_EPILOGUES))
-@pytest.mark.parametrize("layout", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("name", SPECS)
 def test_layouts_warp_specialized(name, layout, epilogue, w_dtype):
-    """`test_layouts` for the warp-specialized kernel: bf16 activations, fp32 or bf16 weights, fp32 or bf16
-    state (what it takes; the refusals are in test_warp_specialized_configs_are_refused_where_they_cannot_run),
-    with and without the epilogue's prefetch, and with the MMA warps updating some of each tile's slices."""
+    """`test_layouts` for the warp-specialized kernel: bf16 activations, fp32 or bf16 weights, fp32, bf16 or
+    int8 state (its block scales: Gluon's own offsets, `gluon_lib.ws_slice_offsets`; the ragged 136 columns
+    leave a partial last block), with and without the epilogue's prefetch, and with the MMA warps updating
+    some of each tile's slices. The refusals are in test_warp_specialized_configs_are_refused_where_they_cannot_run."""
     if not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU (Gluon has no interpreter)")
     check_layouts(name, epilogue, layout, w_dtype, act=torch.bfloat16)
@@ -450,12 +451,12 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
             kernels.TileConfig.parse(f"64,128,128,8,4,split=4,ws=8,{bad}")
     assert kernels.TileConfig(32, 128, 128, num_warps=4, tma=True, mma_warps=4).mma_registers == 200
     w, x, dy = make_problem(4, torch.bfloat16)
-    cases = [("int8", x, WS_CONFIG, "takes fp32 and bf16 state; int8 state runs on the Triton kernel")]
     if hopper_with_gluon():
-        cases += [("bf16", x.float(), WS_CONFIG, "multiplies bfloat16 activations"),
+        cases = [("bf16", x.float(), WS_CONFIG, "multiplies bfloat16 activations"),
                   ("bf16", x[:0], WS_CONFIG, "reads x and dy through TMA")]
     else:
-        cases += [("bf16", x, WS_CONFIG, "runs only compiled on a Hopper GPU")]
+        cases = [("bf16", x, WS_CONFIG, "runs only compiled on a Hopper GPU"),
+                 ("int8", x, WS_CONFIG, "runs only compiled on a Hopper GPU")]
     for layout, xs, config, message in cases:
         state = forge_dsl.init_state("adamw", w, layout=layout)
         before = w.clone()

@@ -36,6 +36,9 @@ CASES += [("rmsprop", "bf16", h, None, "bf16")
 # state, and with 4 MMA and 4 epilogue warps
 CASES += [(name, "fp32", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,4,split=4,ws=8,prefetch=0",
            "bf16") for name in forge_dsl.builtin_names()]
+# ... with int8 state (no prefetch: fused_config's choice there)
+CASES += [(name, "int8", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,4,split=4,ws=8,prefetch=0",
+           "bf16") for name in forge_dsl.builtin_names()]
 CASES += [("adamw", "bf16", {}, "32,128,128,4,2,split=4,ws=4", "bf16")]
 # ... with its MMA warps updating one slice of each tile (NAdam: the most registers)
 CASES += [(name, "bf16", {}, "64,128,128,8,4,split=4,ws=8,mmaslices=1", "bf16") for name in ("adamw", "nadam")]

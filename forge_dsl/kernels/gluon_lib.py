@@ -183,16 +183,27 @@ def ws_read_slice(acc_smem, acc_empty, r: tl.constexpr, LAST: tl.constexpr, SLIC
 
 
 @gluon_jit
-def ws_slice_offsets(n_start, k_start, N, K, SLICE_N: tl.constexpr, BK: tl.constexpr,
+def ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N: tl.constexpr, BK: tl.constexpr,
                      EPILOGUE_WARPS: tl.constexpr):
-    """`triton_lib.tile_offsets` of the slice rows n_start + [0, SLICE_N), columns k_start + [0, BK), in
-    `epilogue_layout`: (offs [SLICE_N, BK] int64, mask [SLICE_N, BK], offs_n [SLICE_N] row indices)."""
+    """Where the slice rows n_start + [0, SLICE_N), columns k_start + [0, BK) live, in `epilogue_layout`:
+    (offs [SLICE_N, BK] int64 and mask [SLICE_N, BK], as `triton_lib.tile_offsets`; scale_offs
+    [SLICE_N, BK // 64] int64, as `triton_lib.block_scale_offsets`, for int8 state's block scales).
+
+    scale_offs is reduced from per-element values over each 64-column block, the same reshape the state
+    helpers make of the mask and of each block's maximum, so its layout is theirs (Gluon combines only
+    tensors of one layout). Its slice-local part does not depend on the slice, so the compiler hoists it
+    out of the tile loop; without int8 state it is never used, and never computed."""
     layout: tl.constexpr = epilogue_layout(EPILOGUE_WARPS)
-    offs_n = n_start + gl.arange(0, SLICE_N, layout=gl.SliceLayout(1, layout))
-    offs_k = k_start + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    rows = gl.arange(0, SLICE_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    offs_n = n_start + rows
+    offs_k = k_start + cols
     offs = offs_n.to(gl.int64)[:, None] * K + offs_k.to(gl.int64)[None, :]
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    return offs, mask, offs_n
+    local = rows[:, None] * n_blocks + (cols // 64)[None, :]  # [SLICE_N, BK] int32: < SLICE_N * n_blocks + 2
+    local = gl.max(gl.reshape(local, [SLICE_N, BK // 64, 64]), axis=2)  # [SLICE_N, BK // 64]
+    scale_offs = (n_start.to(gl.int64) * n_blocks + k_start // 64) + local.to(gl.int64)
+    return offs, mask, scale_offs
 
 
 # ---------------------------------------------------------------------------

@@ -241,18 +241,16 @@ def _is_sm90(index: int) -> bool:
 
 def check_config(cfg: TileConfig, quantized: bool) -> None:
     """Refuse a tile config the fused kernel cannot run: blocks that are powers of two ≥ 16, BLOCK_K a
-    multiple of 64, and with quantized state, epilogue slices that hold whole 64-element scale blocks."""
+    multiple of 64, and with quantized state, epilogue slices that hold whole 64-element scale blocks (the
+    Triton kernel's column slices; the warp-specialized kernel's row slices always do)."""
     for name in ("block_t", "block_n", "block_k"):
         v = getattr(cfg, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two ≥ 16, got {v} in {cfg}")
     if cfg.block_k % BLOCK:
         raise ValueError(f"block_k must be a multiple of {BLOCK}, got {cfg}")
-    if cfg.warp_specialized and quantized:
-        raise ValueError(f"the warp-specialized kernel (mma_warps > 0) takes fp32 and bf16 state; int8 state runs "
-                         f"on the Triton kernel: use a config without mma_warps, got {cfg}")
-    slice_k = cfg.block_k // cfg.epilogue_split
-    if quantized and slice_k % BLOCK:
+    slice_k = cfg.block_k // cfg.epilogue_split  # the Triton kernel's column slices (the warp-specialized: rows)
+    if quantized and not cfg.warp_specialized and slice_k % BLOCK:
         raise ValueError(f"the epilogue's slices (block_k / epilogue_split = {slice_k} columns) must be a multiple of "
                          f"{BLOCK} for int8 state; use a smaller epilogue_split or a larger block_k, got {cfg}")
 

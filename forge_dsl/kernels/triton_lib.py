@@ -63,6 +63,7 @@ __all__ = [
     "load_tokens",
     "tile_at",
     "tile_offsets",
+    "block_scale_offsets",
     "bf16_bits_to_fp32",
     "fp32_to_bf16_bits_rne",
     "fp32_to_bf16_bits_stochastic",
@@ -342,9 +343,16 @@ def _block_mask(mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _scale_offsets(offs_n, k_start, n_blocks, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K // 64] int64 offsets of the tile's block scales."""
-    j = tl.arange(0, BLOCK_K // 64)
+def block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // 64] int64 offsets of a tile's block scales in a `[rows, n_blocks]` scale
+    tensor: row * n_blocks + column // 64, for rows offs_n [BLOCK_N] and columns k_start + [0, BLOCK_K)
+    (k_start a multiple of 64). The state helpers take them as `scale_offs`; the warp-specialized
+    kernel builds its own in Gluon (`gluon_lib.ws_slice_offsets`). A slice narrower than a block
+    (BLOCK_K < 64, never with int8 state: `launch.check_config`) gets [BLOCK_N, 1], its block's."""
+    if BLOCK_K >= 64:
+        j = tl.arange(0, BLOCK_K // 64)
+    else:
+        j = tl.arange(0, 1)
     first = tl.cast(k_start // 64, tl.int64)
     return offs_n.to(tl.int64)[:, None] * n_blocks + (first + j)[None, :]
 
@@ -364,7 +372,7 @@ def _round_half_up(y):
 
 
 @triton.jit
-def load_state_raw(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks,
+def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs,
                    LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Issue the loads of a state tile in its storage type; `decode_state` them later.
 
@@ -383,7 +391,7 @@ def load_state_raw(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks,
         tl.static_assert(BLOCK_K % 64 == 0, "BLOCK_K must be a multiple of 64")
         tl.static_assert(LAYOUT == 2 or LAYOUT == 3, "unknown state layout")
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
-        scale = tl.load(scale_ptr + _scale_offsets(offs_n, k_start, n_blocks, BLOCK_K), mask=bmask, other=0.0)
+        scale = tl.load(scale_ptr + scale_offs, mask=bmask, other=0.0)
         codes = tl.load(ptr + offs, mask=mask, other=0)
         return codes, scale
 
@@ -399,7 +407,7 @@ def decode_state(raw, scale, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
         qf = raw.to(tl.float32)
         if LAYOUT == 2:
             tl.static_assert(raw.dtype == tl.int8, "INT8 state must be int8")
-            step = tl.div_rn(scale, tl.full(scale.shape, 127.0, tl.float32))
+            step = tl.div_rn(scale, 127.0)
             return qf * _broadcast_blocks(step, BLOCK_N, BLOCK_K)
         else:
             tl.static_assert(LAYOUT == 3, "unknown state layout")
@@ -409,7 +417,7 @@ def decode_state(raw, scale, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def load_state(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks,
+def load_state(ptr, scale_ptr, offs, mask, scale_offs,
                LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Load a state tile as fp32 (masked elements read 0).
 
@@ -418,22 +426,22 @@ def load_state(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks,
         scale_ptr: the fp32 block scales `[rows, n_blocks]` (int8 layouts only;
             pass any pointer, e.g. the storage, otherwise).
         offs, mask: from `tile_offsets`.
-        offs_n: the tile's [BLOCK_N] row indices; k_start: its first column
-            (a multiple of BLOCK_K); n_blocks: ceil(n_cols / 64).
+        scale_offs: [BLOCK_N, BLOCK_K // 64] offsets of the tile's block scales in scale_ptr
+            (`block_scale_offsets`; read by the int8 layouts only). BLOCK_K is a multiple of 64.
     """
-    raw, scale = load_state_raw(ptr, scale_ptr, offs, mask, offs_n, k_start, n_blocks, LAYOUT, BLOCK_N, BLOCK_K)
+    raw, scale = load_state_raw(ptr, scale_ptr, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
     return decode_state(raw, scale, LAYOUT, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def store_state(ptr, scale_ptr, value, offs, mask, offs_n, k_start, n_blocks,
+def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
                 LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store an fp32 state tile in LAYOUT (arguments as for `load_state`).
 
     INT8 / UINT8_SQRT: each block's scale is computed from the NEW values (masked
     elements excluded), the codes and the `[BLOCK_N, BLOCK_K // 64]` scales are
-    written (scales at scale_ptr + row * n_blocks + k_start // 64 + j, only for
-    blocks holding an unmasked element). BF16 rounds to nearest even.
+    written (scales at scale_ptr + scale_offs, only for blocks holding an unmasked
+    element). BF16 rounds to nearest even.
     """
     if LAYOUT == 0:
         tl.store(ptr + offs, value.to(tl.float32), mask=mask)
@@ -459,7 +467,7 @@ def store_state(ptr, scale_ptr, value, offs, mask, offs_n, k_start, n_blocks,
         safe = tl.where(ok, scale, 1.0)
         if LAYOUT == 2:
             tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT8 state must be int8")
-            inv = tl.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe)
+            inv = tl.div_rn(127.0, safe)
             y = x * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)
             q = tl.minimum(tl.maximum(_round_half_up(y), -127.0), 127.0)
             q = tl.where(_broadcast_blocks(ok, BLOCK_N, BLOCK_K), q, 0.0)
@@ -468,7 +476,7 @@ def store_state(ptr, scale_ptr, value, offs, mask, offs_n, k_start, n_blocks,
             tl.static_assert(LAYOUT == 3, "unknown state layout")
             tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT8_SQRT state must be uint8")
             okb = _broadcast_blocks(ok, BLOCK_N, BLOCK_K)
-            inv = tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)  # one division per block
+            inv = tl.div_rn(1.0, safe)  # one division per block
             t = tl.where(okb, x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)
             y = tl.sqrt_rn(t) * 255.0
             q = tl.minimum(tl.maximum(_round_half_up(y), 0.0), 255.0)
@@ -476,4 +484,4 @@ def store_state(ptr, scale_ptr, value, offs, mask, offs_n, k_start, n_blocks,
             codes = q.to(tl.int32).to(tl.uint8)
         tl.store(ptr + offs, codes, mask=mask)
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
-        tl.store(scale_ptr + _scale_offsets(offs_n, k_start, n_blocks, BLOCK_K), scale, mask=bmask)
+        tl.store(scale_ptr + scale_offs, scale, mask=bmask)
