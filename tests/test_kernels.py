@@ -382,8 +382,8 @@ def test_tile_configs_are_validated():
 
 def test_default_tile_configs_on_the_h200():
     """docs/PERF.md, v7: the warp-specialized kernel on layers of 2^22 elements and more (bf16 activations,
-    fp32 / bf16 state, a Hopper GPU with Gluon), its MMA warps updating a slice of each tile up to 512 tokens
-    (v8); v4 and v5 otherwise: 128×128 tiles with a quarter-slice
+    a Hopper GPU with Gluon; int8 state too since v9), its MMA warps updating a slice of each tile up to 512
+    tokens (v8); v4 and v5 otherwise: 128×128 tiles with a quarter-slice
     epilogue in 128 registers, except 64×64 tiles up to 512 tokens on layers of 2^24 elements and more,
     and up to 1024 on layers under 2^22; int8 state and float32 activations have their own tiles."""
     cuda = torch.device("cuda")
@@ -403,7 +403,11 @@ def test_default_tile_configs_on_the_h200():
         assert launch.fused_config(T, n, k, cuda, hopper=True) == dataclasses.replace(ws, mma_slices=1)
     assert not launch.fused_config(2048, 1024, 2048, cuda, hopper=True).warp_specialized  # 128 tiles: idle SMs
     assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, warp_specialize=False).warp_specialized
-    assert not launch.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=True).warp_specialized
+    # int8 state (v9): the same kernel without the prefetch (it spills), the MMA warps' slice up to 512 tokens
+    assert launch.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=True, stored_bytes=4) == \
+        dataclasses.replace(ws, prefetch=False)
+    assert launch.fused_config(512, 4096, 4096, cuda, quantized=True, hopper=True, stored_bytes=4) == \
+        dataclasses.replace(ws, prefetch=False, mma_slices=1)
     assert not launch.fused_config(2048, 4096, 4096, cuda, activations=torch.float32, hopper=True).warp_specialized
     # without warp specialization (other GPUs, or no Gluon)
     split = launch.fused_config(2048, 4096, 4096, cuda, hopper=False)
@@ -414,10 +418,11 @@ def test_default_tile_configs_on_the_h200():
     for small in (launch.fused_config(512, 4096, 4096, cuda, hopper=False),
                   launch.fused_config(1024, 512, 512, cuda, hopper=False)):
         assert (small.block_n, small.block_k, small.epilogue_split, small.maxnreg) == (64, 64, 1, None)
-    int8 = launch.fused_config(2048, 4096, 4096, cuda, quantized=True)  # v5: 128×64, two programs per SM
+    int8 = launch.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=False)  # v5: 128×64, two per SM
     assert (int8.block_n, int8.block_k, int8.epilogue_split, int8.maxnreg, int8.tma) == (128, 64, 1, 128, True)
-    assert launch.fused_config(2048, 1024, 4096, cuda, quantized=True) == int8
-    assert launch.fused_config(8192, 4096, 4096, cuda, quantized=True).block_k == 128
+    assert launch.fused_config(2048, 1024, 4096, cuda, quantized=True, hopper=False) == int8
+    assert launch.fused_config(2048, 1024, 2048, cuda, quantized=True, hopper=True) == int8  # 128 tiles: idle SMs
+    assert launch.fused_config(8192, 4096, 4096, cuda, quantized=True, hopper=False).block_k == 128
     assert launch.fused_config(2048, 4096, 4096, cuda, activations=torch.float32).block_k == 64
     for T in (1, 512, 2048, 8192):
         for n, k in ((4096, 4096), (1024, 4096), (128256, 4096), (64, 64)):
@@ -590,10 +595,10 @@ def test_large_shape_against_cublas(w_dtype):
 @pytest.mark.parametrize("t", [512, 2048, 8192])
 @pytest.mark.parametrize("n", [4096, 1024])
 def test_default_configs_on_llama_sized_layers(n, t, layout):
-    """Each H200 default config at Llama-sized layers (q/o 4096², k/v 1024×4096): with bf16 state the
-    warp-specialized kernel as shipped (8 MMA warps, 4 ring buffers; 1024 or 256 tiles over 132
-    persistent programs, so every barrier of the ring and of the dW hand-over wraps its phase many
-    times), with int8 state the Triton kernel's tiles: the fused step against the element-wise step on
+    """Each H200 default config at Llama-sized layers (q/o 4096², k/v 1024×4096): the warp-specialized
+    kernel as shipped (8 MMA warps, 4 ring buffers; 1024 or 256 tiles over 132 persistent programs, so
+    every barrier of the ring and of the dW hand-over wraps its phase many times), with bf16 state and with
+    int8 state (no prefetch; the MMA warps' slice at 512 tokens): the fused step against the element-wise step on
     cuBLAS's fp32 dW, from the same bf16 weights and state. Both quantize and round with the same code,
     so the two differ only where the two dW sums (different fp32 orders) straddle a rounding boundary."""
     k = 4096
@@ -647,8 +652,14 @@ def test_auto_linear_path():
     assert launch.auto_linear_path(8192, big, torch.float32, cuda) == "fused"  # fp32: the fused kernel's exact product
     assert launch.auto_linear_path(8192, big, torch.bfloat16, cpu) == "fused"
     # int8 state: the slab path from 2048 tokens, on every layer (v5)
-    assert launch.auto_linear_path(2048, 1024 * 4096, torch.bfloat16, cuda, quantized=True) == "slab"
-    assert launch.auto_linear_path(2047, big, torch.bfloat16, cuda, quantized=True) == "fused"
+    assert launch.auto_linear_path(2048, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=False) == "slab"
+    assert launch.auto_linear_path(2047, big, torch.bfloat16, cuda, quantized=True, hopper=False) == "fused"
+    # int8 state where the warp-specialized kernel runs (v9): the slab path up to 512 tokens, that kernel above
+    for tokens, path in ((1, "slab"), (512, "slab"), (513, "fused"), (2048, "fused"), (8192, "fused")):
+        assert launch.auto_linear_path(tokens, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=True) == path
+    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, quantized=True, hopper=True, tma=False) == "slab"
+    assert launch.auto_linear_path(8192, 1024 * 2048, torch.bfloat16, cuda, quantized=True, hopper=True) == "slab"
+    assert launch.auto_linear_path(1024, 1024 * 2048, torch.bfloat16, cuda, quantized=True, hopper=True) == "fused"
     assert launch.auto_linear_path(8192, big, torch.float32, cuda, quantized=True) == "fused"
     w, x, dy = make_problem(12, torch.float32)
     with pytest.raises(ValueError, match="path must be one of auto, fused, slab, got 'gemm'"):

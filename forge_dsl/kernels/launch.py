@@ -160,21 +160,21 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
                  hopper: Optional[bool] = None, stored_bytes: int = 6) -> TileConfig:
     """Tiles for the fused kernel: large in the interpreter (few programs), H200-measured on CUDA.
 
-    On Hopper (sm_90) with Gluon, for bf16 activations, fp32 / bf16 state and layers of 2^22 elements
-    and more (at least 256 tiles of 128×128 for 132 SMs): the warp-specialized kernel (docs/PERF.md, v7:
-    its epilogue overlaps the next tile's token loop; faster than the Triton kernel on every Llama-3.1-8B
-    shape and token count measured, level at 8192 tokens on k/v), 128×128 tiles, a 4-buffer TMA ring,
-    8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it out
-    (activations a TMA descriptor cannot read).
+    On Hopper (sm_90) with Gluon, for bf16 activations and layers of 2^22 elements and more (at least 256
+    tiles of 128×128 for 132 SMs): the warp-specialized kernel (docs/PERF.md, v7: its epilogue overlaps the
+    next tile's token loop; faster than the Triton kernel on every Llama-3.1-8B shape and token count
+    measured, level at 8192 tokens on k/v; v9: with int8 state 5–39 % less time), 128×128 tiles, a 4-buffer
+    TMA ring, 8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it
+    out (activations a TMA descriptor cannot read).
     `hopper`: whether `device` is such a GPU (default: ask it; pass True to plan for one from anywhere).
-    Up to `WS_MMA_SLICE_MAX_TOKENS` tokens, where a tile's token loop is much shorter than its update, and
-    with the prefetching epilogue (as measured), the MMA warps update the last of each tile's four row slices
-    themselves, the epilogue warps the other three (docs/PERF.md, v8: AdamW with bf16 state 0.7-4.4 % faster
-    at 512 tokens on the Llama-3.1-8B layers; slower from 1024).
+    Up to `WS_MMA_SLICE_MAX_TOKENS` tokens, where a tile's token loop is much shorter than its update, with
+    the prefetching epilogue or int8 state (as measured), the MMA warps update the last of each tile's four
+    row slices themselves, the epilogue warps the other three (docs/PERF.md, v8: AdamW with bf16 state
+    0.7-4.4 % faster at 512 tokens on the Llama-3.1-8B layers, slower from 1024; v9: int8 state 10–12 %).
     Its epilogue prefetches the next slice's weights and state when they take at most
     `WS_PREFETCH_MAX_BYTES` bytes per element (`stored_bytes`, e.g. 6 for bf16 weights and two bf16
     states): 11–15 % faster at 512 tokens with AdamW's bf16 state; with two fp32 states the prefetched
-    registers spill and it is 13–27 % slower (v7).
+    registers spill and it is 13–27 % slower (v7); with int8 state they spill too, 3–15 % slower (v9).
 
     Otherwise, from bench/anatomy.py and bench/sweep_tiles.py on the H200 (docs/PERF.md, v2 to v4), for bf16
     activations and fp32 / bf16 state:
@@ -185,7 +185,7 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
       programs per SM, each epilogue a quarter of the size) measured faster (at 1024 tokens they
       were 7–12 % slower: v5), and up to 1024 tokens on layers under 2^22 elements (fewer than 256
       tiles of 128×128: idle SMs), which keep v2's 64×64 tiles.
-    int8 state (`quantized`): up to 4096 tokens 128×64 tiles, 8 warps capped at 128 registers
+    int8 state (`quantized`), other GPUs: up to 4096 tokens 128×64 tiles, 8 warps capped at 128 registers
     (two programs per SM, a few words spilled), activations through TMA (v5: 6–25 % faster than
     v2's 64×64 tiles on every Llama-3.1-8B shape measured); v3's whole 128×128 tiles above (the
     epilogue's slices must hold whole 64-element scale blocks, so quarters do not apply).
@@ -199,11 +199,11 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     large = N * K >= 2**24
     if hopper is None:
         hopper = _hopper_with_gluon(device)
-    if warp_specialize and hopper and N * K >= 2**22 and not quantized:
-        prefetch = stored_bytes <= WS_PREFETCH_MAX_BYTES
+    if warp_specialize and hopper and N * K >= WS_MIN_ELEMENTS:
+        prefetch = stored_bytes <= WS_PREFETCH_MAX_BYTES and not quantized
         return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=True,
                           epilogue_split=4, mma_warps=8, prefetch=prefetch,
-                          mma_slices=1 if prefetch and T <= WS_MMA_SLICE_MAX_TOKENS else 0)
+                          mma_slices=1 if (prefetch or quantized) and T <= WS_MMA_SLICE_MAX_TOKENS else 0)
     if quantized:
         if T <= 4096:
             return TileConfig(block_t=64, block_n=128, block_k=64, group_n=8, num_warps=8, num_stages=4, tma=True,
@@ -215,6 +215,7 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
                       epilogue_split=4, maxnreg=128)
 
 
+WS_MIN_ELEMENTS = 2**22  # the warp-specialized kernel from here: 256 tiles of 128×128 for 132 SMs (see fused_config)
 WS_PREFETCH_MAX_BYTES = 6  # the warp-specialized epilogue's prefetch fits its registers up to this (see fused_config)
 WS_MMA_SLICE_MAX_TOKENS = 512  # up to this T, the warp-specialized kernel's MMA warps update a slice of each tile
 _STORED_BYTES = {StateLayout.FP32: 4, StateLayout.BF16: 2, StateLayout.INT8: 1, StateLayout.UINT8_SQRT: 1}
@@ -496,7 +497,8 @@ def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16:
 SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA, not on
 # Hopper with Gluon) ...
 SLAB_MIN_ELEMENTS = 2**24  # ... for layers this large (on k/v, 1024 × 4096, two runs disagreed)
-SLAB_MIN_TOKENS_QUANTIZED = 2048  # with int8 state: from here, on every layer (docs/PERF.md, v5)
+SLAB_MIN_TOKENS_QUANTIZED = 2048  # with int8 state: from here, on every layer (docs/PERF.md, v5) ...
+SLAB_MAX_TOKENS_QUANTIZED_WS = 512  # ... but up to here where the warp-specialized kernel runs (v9)
 SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
 SLAB_BYTES_QUANTIZED = 32 * 2**20  # with int8 state: two thirds of the L2, half the host's launches (PERF.md, v6)
 LINEAR_PATHS = ("auto", "fused", "slab")
@@ -511,8 +513,11 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
     of `SLAB_MIN_ELEMENTS`, where cuBLAS's GEMM beats the Triton fused kernel's token loop by more than
     the slab's extra dW traffic (an L2-resident 16 MiB slab; docs/PERF.md, v3), except on Hopper GPUs
     with Gluon, whose warp-specialized fused kernel is level or faster (v7); with int8 state from
-    `SLAB_MIN_TOKENS_QUANTIZED` tokens on every layer, where the fused kernel's heavier epilogue
-    loses (v5); the fused kernel otherwise. The slab's dW is rounded
+    `SLAB_MIN_TOKENS_QUANTIZED` tokens on every layer, where the Triton fused kernel's heavier epilogue
+    loses (v5), and where the warp-specialized kernel runs (Hopper, TMA-readable activations, layers of
+    `WS_MIN_ELEMENTS`) up to `SLAB_MAX_TOKENS_QUANTIZED_WS` tokens instead (v9: see `auto_linear_path`);
+    the fused kernel otherwise.
+    The slab's dW is rounded
     to bf16, as autograd's is, and float32 products there follow torch's matmul precision instead
     of `tf32`; the fused kernel keeps dW in fp32. "fused" / "slab" force one. `config` goes to the
     fused kernel, `slab_bytes` to the slab path (default: by state layout, see `slab_linear_step`); other
@@ -538,13 +543,20 @@ def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: tor
     a weight of `elements` elements and int8 / uint8 state (`quantized`) or not. `hopper`: whether the
     device runs the warp-specialized fused kernel (default: ask it), which is level with the slab path or
     faster at 8192 tokens on every Llama-3.1-8B layer but lm_head (3 % slower; docs/PERF.md, v7), so
-    fp32 / bf16 state stays on the fused kernel there when the activations can be read through TMA (`tma`)."""
+    fp32 / bf16 state stays on the fused kernel there when the activations can be read through TMA (`tma`).
+    int8 state takes it above `SLAB_MAX_TOKENS_QUANTIZED_WS` tokens on layers where it runs, and the slab
+    path up to there (v9, Llama-3.1-8B: at 512 tokens the slab path takes 6–10 % less GPU time per layer and
+    its steps are 5 % faster, in two runs; at 1024 it still takes 7–14 % less GPU time, but the fused
+    kernel's steps were 25 % faster in one run, with a launch per layer instead of a cuBLAS GEMM and a step
+    kernel per slab; at 2048 they are level in GPU time and the fused kernel's steps 6 % faster)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return "fused"
-    if quantized:
-        return "slab" if tokens >= SLAB_MIN_TOKENS_QUANTIZED else "fused"
     if hopper is None:
         hopper = _hopper_with_gluon(device)
+    if quantized:
+        if hopper and tma and elements >= WS_MIN_ELEMENTS:
+            return "slab" if tokens <= SLAB_MAX_TOKENS_QUANTIZED_WS else "fused"
+        return "slab" if tokens >= SLAB_MIN_TOKENS_QUANTIZED else "fused"
     if hopper and tma:
         return "fused"
     return "slab" if tokens >= SLAB_MIN_TOKENS and elements >= SLAB_MIN_ELEMENTS else "fused"
