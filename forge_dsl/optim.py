@@ -262,6 +262,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.spec = load_spec(spec)
         resolve_hypers(self.spec, hypers, caller="ForgeOptimizer")  # unknown keywords, ranges: raise now
         defaults = dict(self.spec.keyword_defaults())
+        self._keywords = frozenset(defaults)  # what _group_hypers reads from a param group, on every update
         hypers = dict(hypers)
         for g in self.spec.groups:  # members given by name (beta1=...) become torch's tuple (betas=...)
             if any(m in hypers for m in g.members):
@@ -293,8 +294,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     # -- construction ------------------------------------------------------
     def _group_hypers(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """The spec's keywords in a param group (schedulers add others, e.g. initial_lr)."""
-        keys = self.spec.keyword_defaults()
-        return {k: v for k, v in group.items() if k in keys and v is not None}
+        return {k: v for k, v in group.items() if k in self._keywords and v is not None}
 
     def _check_param(self, p: torch.Tensor) -> None:
         if p.dtype not in (torch.float32, torch.bfloat16):

@@ -28,6 +28,7 @@ from references import ADAMAX
 from forge_dsl import kernels
 from forge_dsl.kernels import launch
 from forge_dsl.checker import combinations, describe_combo
+from forge_dsl.config import resolve_hypers
 from forge_dsl.layouts import StateLayout, as_rows, dequantize, n_blocks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -664,6 +665,29 @@ def test_auto_linear_path():
     w, x, dy = make_problem(12, torch.float32)
     with pytest.raises(ValueError, match="path must be one of auto, fused, slab, got 'gemm'"):
         kernels.linear_step("adamw", x, dy, w, forge_dsl.init_state("adamw", w), step=1, path="gemm")
+
+
+def test_resolved_hypers_are_remembered_only_where_they_cannot_change():
+    """`launch._resolved_hypers` (the per-call keyword resolution, remembered: docs/PERF.md v9c) gives what
+    `resolve_hypers` gives, tells apart keywords that resolve differently, and never remembers a tensor or
+    a failure."""
+    spec = forge_dsl.load_spec("adamw")
+    kw = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.1}
+    got = launch._resolved_hypers(spec, dict(kw))
+    assert got == resolve_hypers(spec, kw) and launch._resolved_hypers(spec, dict(kw)) is got
+    zero, minus_zero = (launch._resolved_hypers(spec, {**kw, "weight_decay": z}) for z in (0.0, -0.0))
+    assert math.copysign(1.0, zero.hypers["weight_decay"]) == 1.0
+    assert math.copysign(1.0, minus_zero.hypers["weight_decay"]) == -1.0
+    lr = torch.tensor(1e-3)
+    assert launch._resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(1e-3)
+    lr.fill_(2e-3)  # a scheduler may change a tensor lr in place
+    assert launch._resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(2e-3)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="Invalid lr"):
+            launch._resolved_hypers(spec, {**kw, "lr": -1.0})
+    nadam = forge_dsl.load_spec("nadam")
+    assert launch._resolved_hypers(nadam, {"lr": 1e-3}).combo != ()  # another spec: its own flags
+    assert launch._resolved_hypers(nadam, {"lr": 1e-3}) == resolve_hypers(nadam, {"lr": 1e-3})
 
 
 def test_tma_readable_without_reshaping():

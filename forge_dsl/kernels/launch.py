@@ -16,6 +16,7 @@ Triton interpreter (`TRITON_INTERPRET=1` must be set before triton is imported).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, MutableMapping, Optional
@@ -155,6 +156,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=1024)  # called on every step with the same arguments; TileConfig is frozen
 def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool = False,
                  activations: torch.dtype = torch.bfloat16, warp_specialize: bool = True,
                  hopper: Optional[bool] = None, stored_bytes: int = 6) -> TileConfig:
@@ -228,16 +230,17 @@ def stored_bytes(w_bf16: bool, layouts: dict) -> int:
 
 def _hopper_with_gluon(device: torch.device) -> bool:
     """Whether `fused_ws_v<i>` runs on `device`: a Hopper GPU (sm_90), a Triton with Gluon, no interpreter."""
-    from . import gluon_lib
-
-    if device.type != "cuda" or not gluon_lib.AVAILABLE or interpreting() or not torch.cuda.is_available():
+    if device.type != "cuda" or interpreting():
         return False
-    return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
+    return _hopper_gpu_with_gluon(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
+def _hopper_gpu_with_gluon(index: int) -> bool:
+    """`_hopper_with_gluon` of CUDA device `index`, asked once (a few tens of µs a call otherwise, on every step)."""
+    from . import gluon_lib
+
+    return gluon_lib.AVAILABLE and torch.cuda.is_available() and torch.cuda.get_device_capability(index)[0] == 9
 
 
 def check_config(cfg: TileConfig, quantized: bool) -> None:
@@ -339,7 +342,7 @@ def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
 
 
 def _variant(spec, hypers: dict, step: int, state):
-    cfg = resolve_hypers(spec, hypers)
+    cfg = _resolved_hypers(spec, hypers)
     module = compiled_module(spec)
     host, fused, fused_ws, elementwise, names = module.VARIANTS[cfg.combo]
     if isinstance(step, bool) or int(step) != step or step < 1:
@@ -350,6 +353,50 @@ def _variant(spec, hypers: dict, step: int, state):
         raise ValueError(f"state has no scalar state {missing}; create it with forge_dsl.init_state")
     exports, scalar_updates = host(cfg.hypers, int(step), scalars)
     return fused, fused_ws, elementwise, names, exports, scalar_updates
+
+
+_RESOLVED: dict = {}  # (id(spec), keywords) -> (spec, StepConfig): see _resolved_hypers
+_RESOLVED_MAX = 256
+
+
+def _resolved_hypers(spec, hypers: dict):
+    """`resolve_hypers(spec, hypers)`, remembered for keywords of plain numbers, bools and tuples of numbers
+    (a training loop passes the same ones every step, and resolving them took ~25 % of a call's host time,
+    docs/PERF.md v9c); tensors (e.g. a tensor lr, which may change in place) are resolved every time. Only
+    successes are remembered, so bad keywords raise on every call. The result is shared: read it only."""
+    key = _hypers_key(hypers)
+    if key is None:
+        return resolve_hypers(spec, hypers)
+    hit = _RESOLVED.get((id(spec), key))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    cfg = resolve_hypers(spec, hypers)
+    if len(_RESOLVED) >= _RESOLVED_MAX:
+        _RESOLVED.clear()
+    _RESOLVED[(id(spec), key)] = (spec, cfg)
+    return cfg
+
+
+def _hypers_key(hypers: dict) -> Optional[tuple]:
+    """A hashable key that tells apart every two keyword sets `resolve_hypers` could treat differently
+    (types, and the sign of a zero), or None where a value is not a plain number, bool or tuple of them."""
+    def one(v):
+        if type(v) in (bool, int):
+            return (type(v).__name__, v)
+        if type(v) is float:
+            return ("float", v, math.copysign(1.0, v))
+        if type(v) in (tuple, list):
+            members = tuple(one(m) for m in v)
+            return None if None in members else (type(v).__name__, members)
+        return None
+
+    items = []
+    for name in sorted(hypers):
+        k = one(hypers[name])
+        if k is None:
+            return None
+        items.append((name, k))
+    return tuple(items)
 
 
 def _commit_scalars(state, scalar_updates: dict[str, float]) -> None:
