@@ -97,11 +97,10 @@ def adamw_persistent_ws(X, DY, W, S_m, S_v, h0, h1, h2, h3, h4, h5, h6, seed, T,
                 b_x = b_x.to(tl.float32)
             acc = tl.dot(tl.trans(b_dy), b_x, acc)
         offs, mask = tile_offsets(offs_n, offs_k, N, K)
-        # bf16 state (layout 1): no block scales, so (offs, mask) stand in for the unread scale offsets and mask
-        r_w, r_m, q_m, r_v, q_v = _load_v0(W, S_m, S_m, S_v, S_v, offs, mask, offs, mask, True, 1, 1, BLOCK_N,
-                                           BLOCK_K)
+        # bf16 state (layout 1): no block scales, so `offs` stands in for the unread scale offsets
+        r_w, r_m, q_m, r_v, q_v = _load_v0(W, S_m, S_m, S_v, S_v, offs, mask, offs, True, 1, 1, BLOCK_N, BLOCK_K)
         _apply_v0(W, S_m, S_m, S_v, S_v, h0, h1, h2, h3, h4, h5, h6, acc, r_w, r_m, q_m, r_v, q_v, offs, mask,
-                  offs, mask, seed, True, True, 1, 1, BLOCK_N, BLOCK_K)
+                  offs, seed, True, True, 1, 1, BLOCK_N, BLOCK_K)
 
 
 def graph_ms(fn) -> float:

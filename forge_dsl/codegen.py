@@ -216,14 +216,14 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     def load_args(weight: str, indent: str, block_k: str = "BLOCK_K", block_n: str = "BLOCK_N",
                   prefix: str = "") -> str:
         return _wrapped_args(
-            [weight, *state_ptrs, *(f"{prefix}{name}" for name in ("offs", "mask", "scale_offs", "scale_mask")),
-             "W_BF16", *layouts, block_n, block_k],
+            [weight, *state_ptrs, f"{prefix}offs", f"{prefix}mask", f"{prefix}scale_offs", "W_BF16", *layouts,
+             block_n, block_k],
             indent,
         )
 
     def apply_args(weight: str, grad: str, indent: str, block_k: str = "BLOCK_K", block_n: str = "BLOCK_N") -> str:
         return _wrapped_args(
-            [weight, *state_ptrs, *exports, grad, *raw, "offs", "mask", "scale_offs", "scale_mask", "seed", "W_BF16",
+            [weight, *state_ptrs, *exports, grad, *raw, "offs", "mask", "scale_offs", "seed", "W_BF16",
              "STOCHASTIC", *layouts, block_n, block_k],
             indent,
         )

@@ -59,9 +59,9 @@ def _state_store_kernel(src, q, scale, n_rows, n_cols, n_blocks,
     k_start = tl.program_id(1) * BLOCK_K
     offs_k = k_start + tl.arange(0, BLOCK_K)
     offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
-    scale_offs, scale_mask = TL.block_scale_offsets(offs_n, k_start, n_rows, n_cols, n_blocks, BLOCK_K)
+    scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
     x = tl.load(src + offs, mask=mask, other=0.0)
-    TL.store_state(q, scale, x, offs, mask, scale_offs, scale_mask, LAYOUT, BLOCK_N, BLOCK_K)
+    TL.store_state(q, scale, x, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -71,8 +71,8 @@ def _state_load_kernel(q, scale, out, n_rows, n_cols, n_blocks,
     k_start = tl.program_id(1) * BLOCK_K
     offs_k = k_start + tl.arange(0, BLOCK_K)
     offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
-    scale_offs, scale_mask = TL.block_scale_offsets(offs_n, k_start, n_rows, n_cols, n_blocks, BLOCK_K)
-    x = TL.load_state(q, scale, offs, mask, scale_offs, scale_mask, LAYOUT, BLOCK_N, BLOCK_K)
+    scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
+    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
     tl.store(out + offs, x, mask=mask)
 
 
@@ -84,9 +84,9 @@ def _state_update_kernel(q, scale, n_rows, n_cols, n_blocks, mult,
     k_start = tl.program_id(1) * BLOCK_K
     offs_k = k_start + tl.arange(0, BLOCK_K)
     offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
-    scale_offs, scale_mask = TL.block_scale_offsets(offs_n, k_start, n_rows, n_cols, n_blocks, BLOCK_K)
-    x = TL.load_state(q, scale, offs, mask, scale_offs, scale_mask, LAYOUT, BLOCK_N, BLOCK_K)
-    TL.store_state(q, scale, x * mult, offs, mask, scale_offs, scale_mask, LAYOUT, BLOCK_N, BLOCK_K)
+    scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
+    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
+    TL.store_state(q, scale, x * mult, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
 
 
 # ---------------------------------------------------------------------------

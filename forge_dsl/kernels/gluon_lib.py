@@ -186,14 +186,13 @@ def ws_read_slice(acc_smem, acc_empty, r: tl.constexpr, LAST: tl.constexpr, SLIC
 def ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N: tl.constexpr, BK: tl.constexpr,
                      EPILOGUE_WARPS: tl.constexpr):
     """Where the slice rows n_start + [0, SLICE_N), columns k_start + [0, BK) live, in `epilogue_layout`:
-    (offs [SLICE_N, BK] int64 and mask [SLICE_N, BK], as `triton_lib.tile_offsets`; scale_offs [SLICE_N,
-    BK // 64] int64 and scale_mask, as `triton_lib.block_scale_offsets`, for int8 state's block scales).
+    (offs [SLICE_N, BK] int64 and mask [SLICE_N, BK], as `triton_lib.tile_offsets`; scale_offs
+    [SLICE_N, BK // 64] int64, as `triton_lib.block_scale_offsets`, for int8 state's block scales).
 
-    The blocks' row and column indices are reduced from per-element values over each 64-column block, the
-    same reshape the state helpers make of each block's maximum, so their layout is the helpers' (Gluon
-    combines only tensors of one layout). They do not depend on the slice, so the compiler hoists them out
-    of the tile loop; per slice, scale_offs and scale_mask are element-wise on [SLICE_N, BK // 64]. Without
-    int8 state neither is used, and neither is computed."""
+    scale_offs is reduced from per-element values over each 64-column block, the same reshape the state
+    helpers make of the mask and of each block's maximum, so its layout is theirs (Gluon combines only
+    tensors of one layout). Its slice-local part does not depend on the slice, so the compiler hoists it
+    out of the tile loop; without int8 state it is never used, and never computed."""
     layout: tl.constexpr = epilogue_layout(EPILOGUE_WARPS)
     rows = gl.arange(0, SLICE_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
@@ -201,11 +200,10 @@ def ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N: tl.constexpr, BK
     offs_k = k_start + cols
     offs = offs_n.to(gl.int64)[:, None] * K + offs_k.to(gl.int64)[None, :]
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    block_row = gl.max(gl.reshape(rows[:, None] + cols[None, :] * 0, [SLICE_N, BK // 64, 64]), axis=2)
-    block_col = gl.max(gl.reshape(rows[:, None] * 0 + (cols // 64)[None, :], [SLICE_N, BK // 64, 64]), axis=2)
-    scale_offs = (n_start.to(gl.int64) + block_row) * n_blocks + (k_start // 64 + block_col)
-    scale_mask = (n_start + block_row < N) & (k_start + block_col * 64 < K)
-    return offs, mask, scale_offs, scale_mask
+    local = rows[:, None] * n_blocks + (cols // 64)[None, :]  # [SLICE_N, BK] int32: < SLICE_N * n_blocks + 2
+    local = gl.max(gl.reshape(local, [SLICE_N, BK // 64, 64]), axis=2)  # [SLICE_N, BK // 64]
+    scale_offs = (n_start.to(gl.int64) * n_blocks + k_start // 64) + local.to(gl.int64)
+    return offs, mask, scale_offs
 
 
 # ---------------------------------------------------------------------------

@@ -336,21 +336,25 @@ def store_weight(ptr, value, offs, mask, seed, W_BF16: tl.constexpr, STOCHASTIC:
 
 
 @triton.jit
-def block_scale_offsets(offs_n, k_start, n_rows, n_cols, n_blocks, BLOCK_K: tl.constexpr):
-    """Where a tile's block scales live in a `[n_rows, n_blocks]` scale tensor, as `tile_offsets` says where
-    its elements live: (scale_offs [BLOCK_N, BLOCK_K // 64] int64 = row * n_blocks + column // 64,
-    scale_mask = the block holds an element inside [n_rows, n_cols]), for rows offs_n [BLOCK_N] and
-    columns k_start + [0, BLOCK_K) (k_start a multiple of 64). The state helpers take both; the
-    warp-specialized kernel builds its own in Gluon (`gluon_lib.ws_slice_offsets`). A slice narrower than
-    a block (BLOCK_K < 64, never with int8 state: `launch.check_config`) gets [BLOCK_N, 1], its block's."""
+def _block_mask(mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // 64]: the block holds at least one unmasked element."""
+    m3 = tl.reshape(mask.to(tl.int32), (BLOCK_N, BLOCK_K // 64, 64))
+    return tl.max(m3, axis=2) > 0
+
+
+@triton.jit
+def block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // 64] int64 offsets of a tile's block scales in a `[rows, n_blocks]` scale
+    tensor: row * n_blocks + column // 64, for rows offs_n [BLOCK_N] and columns k_start + [0, BLOCK_K)
+    (k_start a multiple of 64). The state helpers take them as `scale_offs`; the warp-specialized
+    kernel builds its own in Gluon (`gluon_lib.ws_slice_offsets`). A slice narrower than a block
+    (BLOCK_K < 64, never with int8 state: `launch.check_config`) gets [BLOCK_N, 1], its block's."""
     if BLOCK_K >= 64:
         j = tl.arange(0, BLOCK_K // 64)
     else:
         j = tl.arange(0, 1)
     first = tl.cast(k_start // 64, tl.int64)
-    scale_offs = offs_n.to(tl.int64)[:, None] * n_blocks + (first + j)[None, :]
-    scale_mask = (offs_n < n_rows)[:, None] & ((k_start + j * 64) < n_cols)[None, :]
-    return scale_offs, scale_mask
+    return offs_n.to(tl.int64)[:, None] * n_blocks + (first + j)[None, :]
 
 
 @triton.jit
@@ -368,7 +372,7 @@ def _round_half_up(y):
 
 
 @triton.jit
-def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs, scale_mask,
+def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs,
                    LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Issue the loads of a state tile in its storage type; `decode_state` them later.
 
@@ -386,7 +390,8 @@ def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs, scale_mask,
     else:
         tl.static_assert(BLOCK_K % 64 == 0, "BLOCK_K must be a multiple of 64")
         tl.static_assert(LAYOUT == 2 or LAYOUT == 3, "unknown state layout")
-        scale = tl.load(scale_ptr + scale_offs, mask=scale_mask, other=0.0)
+        bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
+        scale = tl.load(scale_ptr + scale_offs, mask=bmask, other=0.0)
         codes = tl.load(ptr + offs, mask=mask, other=0)
         return codes, scale
 
@@ -412,7 +417,7 @@ def decode_state(raw, scale, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def load_state(ptr, scale_ptr, offs, mask, scale_offs, scale_mask,
+def load_state(ptr, scale_ptr, offs, mask, scale_offs,
                LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Load a state tile as fp32 (masked elements read 0).
 
@@ -421,23 +426,22 @@ def load_state(ptr, scale_ptr, offs, mask, scale_offs, scale_mask,
         scale_ptr: the fp32 block scales `[rows, n_blocks]` (int8 layouts only;
             pass any pointer, e.g. the storage, otherwise).
         offs, mask: from `tile_offsets`.
-        scale_offs, scale_mask: [BLOCK_N, BLOCK_K // 64] offsets of the tile's block scales in scale_ptr,
-            and which of them exist (`block_scale_offsets`; read by the int8 layouts only). BLOCK_K is a
-            multiple of 64.
+        scale_offs: [BLOCK_N, BLOCK_K // 64] offsets of the tile's block scales in scale_ptr
+            (`block_scale_offsets`; read by the int8 layouts only). BLOCK_K is a multiple of 64.
     """
-    raw, scale = load_state_raw(ptr, scale_ptr, offs, mask, scale_offs, scale_mask, LAYOUT, BLOCK_N, BLOCK_K)
+    raw, scale = load_state_raw(ptr, scale_ptr, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
     return decode_state(raw, scale, LAYOUT, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def store_state(ptr, scale_ptr, value, offs, mask, scale_offs, scale_mask,
+def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
                 LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store an fp32 state tile in LAYOUT (arguments as for `load_state`).
 
     INT8 / UINT8_SQRT: each block's scale is computed from the NEW values (masked
     elements excluded), the codes and the `[BLOCK_N, BLOCK_K // 64]` scales are
-    written (scales at scale_ptr + scale_offs where scale_mask: blocks holding an
-    unmasked element). BF16 rounds to nearest even.
+    written (scales at scale_ptr + scale_offs, only for blocks holding an unmasked
+    element). BF16 rounds to nearest even.
     """
     if LAYOUT == 0:
         tl.store(ptr + offs, value.to(tl.float32), mask=mask)
@@ -479,4 +483,5 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs, scale_mask,
             q = tl.where(okb, q, 0.0)
             codes = q.to(tl.int32).to(tl.uint8)
         tl.store(ptr + offs, codes, mask=mask)
-        tl.store(scale_ptr + scale_offs, scale, mask=scale_mask)
+        bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
+        tl.store(scale_ptr + scale_offs, scale, mask=bmask)
