@@ -563,12 +563,10 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
     `SLAB_MIN_TOKENS_QUANTIZED` tokens on every layer, where the Triton fused kernel's heavier epilogue
     loses (v5), and where the warp-specialized kernel runs (Hopper, TMA-readable activations, layers of
     `WS_MIN_ELEMENTS`) up to `SLAB_MAX_TOKENS_QUANTIZED_WS` tokens instead (v9: see `auto_linear_path`);
-    the fused kernel otherwise.
-    The slab's dW is rounded
-    to bf16, as autograd's is, and float32 products there follow torch's matmul precision instead
-    of `tf32`; the fused kernel keeps dW in fp32. "fused" / "slab" force one. `config` goes to the
-    fused kernel, `slab_bytes` to the slab path (default: by state layout, see `slab_linear_step`); other
-    arguments as for `fused_linear_step`.
+    the fused kernel otherwise. The slab's dW is rounded to bf16, as autograd's is, and float32 products
+    there follow torch's matmul precision instead of `tf32`; the fused kernel keeps dW in fp32. "fused" /
+    "slab" force one. `config` goes to the fused kernel, `slab_bytes` to the slab path (default: by state
+    layout, see `slab_linear_step`); other arguments as for `fused_linear_step`.
     """
     if path not in LINEAR_PATHS:
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
