@@ -17,20 +17,29 @@ The formulas (all fp32, every operation rounded to nearest even):
 INT8 (signed, `int8` storage):
     scale = max |x| over the block          (taken on the bit patterns, see below)
     inv   = 127 / scale                     (IEEE division)
-    y     = x * inv
+    y     = x * inv                         (|y| <= 127 (1 + 2**-24)**2 < 127.5: no clamp needed)
     f     = floor(y)
     q     = f + 1 if y >= f + 0.5 else f    (= floor(y + 0.5) computed exactly)
-    q     = clamp(q, -127, 127), and q = 0 where scale is not finite and > 0
+    q     = 0 where the block is not valid (below)
     x'    = q * (scale / 127)               (IEEE division, then one multiply)
 
 UINT8_SQRT (states declared nonneg, `uint8` storage):
     x     = +0 where x < 0 or x is -0 (NaN of either sign stays NaN; done on bits)
     scale = max x over the block
     inv   = 1 / scale                       (IEEE division, once per block)
-    y     = sqrt(x * inv) * 255             (IEEE square root)
-    q     = round half up of y as above, clamp(q, 0, 255); 0 where scale is not finite and > 0
-    r     = q * R255                        (R255 = fp32(1/255))
+    t     = x * inv                         (in [0, 1 + 2**-23])
+    q     = #{k in 1..255 : t >= theta_k},  theta_k = c_k * c_k,  c_k = (k - 0.5) * R255
+            (R255 = fp32(1/255); both products rounded to fp32); 0 where the block is not valid
+    r     = q * R255
     x'    = (scale * r) * r
+    The count is round-half-up of 255 * sqrt(t) with the half-way points computed in
+    fp32: it differs from rounding the fp32 square root only for t within a few ulps of a
+    half-way point. The kernels find it without an IEEE square root (an approximate root
+    is off by at most one code, and one comparison with the next threshold corrects it).
+
+A block is valid when its scale is finite, > 0, and its `inv` is finite (not for a
+scale below about 1e-37 (INT8) or 3e-39 (UINT8_SQRT), whose reciprocal overflows: such a
+block stores codes 0 and reads back as zeros).
 
 Why "f + 1 if y >= f + 0.5" and not "floor(y + 0.5)": on the GPU the compiler
 contracts a multiply followed by an add into one fused multiply-add, so
@@ -91,6 +100,15 @@ BLOCK = 64  # int8 quantization block: 64 consecutive elements along a row (last
 
 # fp32(1/255): the constant both sides multiply by in the UINT8_SQRT decode.
 R255 = float(torch.tensor(1.0 / 255.0, dtype=torch.float32).item())
+
+
+def _sqrt_thresholds() -> Tensor:
+    """theta_1..theta_255 of the UINT8_SQRT encode, fp32 [255], strictly increasing."""
+    c = (torch.arange(1, 256, dtype=torch.float32) - 0.5) * torch.tensor(R255, dtype=torch.float32)
+    return c * c
+
+
+_SQRT_THRESHOLDS = _sqrt_thresholds()
 
 LAYOUT_NAMES = ("fp32", "bf16", "int8")
 
@@ -251,14 +269,17 @@ def quantize(x: Tensor, layout) -> Tuple[Tensor, Optional[Tensor]]:
     ok3 = ok[..., None]
     if layout == StateLayout.INT8:
         inv = torch.full_like(s3, 127.0) / s3
-        q = _round_half_up(x3 * inv).clamp(-127.0, 127.0)
-        q = torch.where(ok3, q, torch.zeros_like(q))
+        ok3 = ok3 & (inv < math.inf)
+        inv = torch.where(ok3, inv, torch.zeros_like(inv))
+        q = _round_half_up(torch.where(ok3, x3, torch.zeros_like(x3)) * inv)
         q = q.to(torch.int8)
     else:
         inv = torch.full_like(s3, 1.0) / s3  # one division per block, not per element
-        y = torch.sqrt(x3 * inv) * 255.0
-        q = _round_half_up(y).clamp(0.0, 255.0)
-        q = torch.where(ok3, q, torch.zeros_like(q))
+        ok3 = ok3 & (inv < math.inf)
+        inv = torch.where(ok3, inv, torch.zeros_like(inv))
+        t = torch.where(ok3, x3, torch.zeros_like(x3)) * inv
+        thresholds = _SQRT_THRESHOLDS.to(t.device)
+        q = torch.searchsorted(thresholds, t.contiguous(), right=True)  # thresholds <= t
         q = q.to(torch.uint8)
     q = q.reshape(rows, nb * BLOCK)[:, :cols].reshape(x.shape).contiguous()
     return q, scale.contiguous()

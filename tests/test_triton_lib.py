@@ -431,6 +431,59 @@ def test_int8_zero_and_nonfinite_blocks(layout):
     assert torch.equal(fbits(out[fin]), fbits(ref_out[fin]))
 
 
+def _next_f32(x: torch.Tensor, direction: float) -> torch.Tensor:
+    return torch.nextafter(x, torch.full_like(x, direction))
+
+
+def test_sqrt_codes_at_every_threshold():
+    """UINT8_SQRT codes at, just below and just above each of the 255 half-way points: the
+    kernel (approximate root + one exact comparison) gives the reference's codes bit for bit,
+    and those are round-half-up of 255·sqrt(t) computed in float64 (apart from the points
+    within a few ulps of a half-way point, where they may go either way by 1e-4 of a code)."""
+    k = torch.arange(1, 256, dtype=torch.float64)
+    theta = L._SQRT_THRESHOLDS
+    t = torch.cat([theta, _next_f32(theta, 0.0), _next_f32(theta, 2.0),
+                   torch.rand(2000, generator=torch.Generator().manual_seed(11)), torch.tensor([0.0, 1e-30, 1.0])])
+    t = t.to(torch.float32)
+    per_row = 63  # each row: 63 values and one 1.0, so scale = 1 and t = x exactly
+    pad = (-t.numel()) % per_row
+    t = torch.cat([t, torch.zeros(pad)])
+    x = torch.cat([t.reshape(-1, per_row), torch.ones(t.numel() // per_row, 1)], dim=1)
+    q, scale, _, _ = run_state_store(x, StateLayout.UINT8_SQRT, block=(32, 64))
+    ref_q, ref_scale = L.quantize(x, StateLayout.UINT8_SQRT)
+    assert torch.equal(fbits(scale), fbits(ref_scale)) and (scale == 1.0).all()
+    assert torch.equal(bits16(q), bits16(ref_q))
+
+    # the reference against float64: each threshold is within 4e-7 (relative) of its half-way point
+    assert torch.all(((theta.double() / ((k - 0.5) / 255) ** 2) - 1).abs() < 4e-7)
+    assert torch.all(theta[1:] > theta[:-1])
+    codes = ref_q[:, :per_row].reshape(-1).double()
+    u = 255 * torch.sqrt(x[:, :per_row].reshape(-1).double())
+    exact = torch.floor(u + 0.5)
+    near_half = (u - torch.floor(u) - 0.5).abs() < 1e-4
+    assert torch.equal(codes[~near_half], exact[~near_half])
+    assert ((codes - u).abs() <= 0.5 + 1e-4).all()
+    assert near_half.sum() >= 3 * 255 - 5  # the thresholds and their neighbours were exercised
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide")  # 1 / tiny in the interpreter's numpy
+@pytest.mark.parametrize("layout,tiny,small", [(StateLayout.INT8, 1e-37, 1e-36),
+                                               (StateLayout.UINT8_SQRT, 1e-39, 1e-38)],
+                         ids=["INT8", "UINT8_SQRT"])
+def test_int8_tiny_scale_blocks_read_back_as_zeros(layout, tiny, small):
+    """A block whose scale's reciprocal overflows fp32 stores codes 0 (reads back as zeros);
+    one a little larger is still encoded. Kernel and reference agree bit for bit."""
+    x = torch.rand(2, 128, generator=torch.Generator().manual_seed(5)) + 0.25
+    x[0, :64] *= tiny / x[0, :64].max()
+    x[1, :64] *= small / x[1, :64].max()
+    q, scale, _, _ = run_state_store(x, layout, block=(8, 128))
+    ref_q, ref_scale = L.quantize(x, layout)
+    assert torch.equal(bits16(q), bits16(ref_q)) and torch.equal(fbits(scale), fbits(ref_scale))
+    assert (q[0, :64] == 0).all() and scale[0, 0] > 0
+    assert (L.dequantize(ref_q, ref_scale, layout)[0, :64] == 0).all()
+    assert (q[1, :64] != 0).sum() > 32 and (q[:, 64:] != 0).all()
+
+
 def test_bf16_state_rne_matches_weights():
     x = bf16_special_inputs()[:8]
     q, _, _, _ = run_state_store(x, StateLayout.BF16, block=(8, 512))

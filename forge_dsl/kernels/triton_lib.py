@@ -13,8 +13,9 @@ What makes that hold:
 * bf16 is read and written as int16 bit patterns (pass `t.view(torch.int16)`):
   the interpreter truncates fp32 → bf16 on a store while the GPU rounds, so the
   rounding is done here on integer bits.
-* divisions and square roots use `tl.div_rn` / `tl.sqrt_rn` (IEEE; plain `/`
-  and `tl.sqrt` are approximate on NVIDIA GPUs).
+* divisions use `tl.div_rn` (IEEE; plain `/` is approximate on NVIDIA GPUs); the
+  one square root (`_sqrt_code`) is approximate and then corrected by an exact
+  comparison, so its result does not depend on the root's rounding.
 * no product feeds an addition inside a helper (the GPU compiler would fuse
   them into one FMA and round once instead of twice); rounding to an integer
   compares `y >= floor(y) + 0.5` instead of computing `floor(y + 0.5)`.
@@ -372,6 +373,23 @@ def _round_half_up(y):
 
 
 @triton.jit
+def _sqrt_code(t):
+    """UINT8_SQRT code of t = x / scale in [0, 1 + 2**-22]: the number of thresholds
+    theta_k = ((k - 0.5) * R255)**2 (fp32, k = 1..255) that t reaches, as int32.
+
+    That is round-half-up of 255 * sqrt(t) with the half-way points taken in fp32,
+    computed without an IEEE square root: q0 = trunc(255 * sqrt(t) + 0.25) from the
+    approximate root is q or q - 1 (the root's error is ~1e-4 codes, far inside the
+    0.25 margin), and one exact comparison with theta_{q0 + 1} settles it. So the code
+    depends on t and the thresholds only, not on how the root was approximated: the
+    interpreter's exact root and the GPU's `sqrt.approx` give the same codes.
+    """
+    q0 = tl.minimum((tl.sqrt(t) * 255.0 + 0.25).to(tl.int32), 254)
+    c = (q0.to(tl.float32) + 0.5) * 0.003921568859368563  # R255; (k - 0.5) for k = q0 + 1
+    return q0 + (t >= c * c).to(tl.int32)
+
+
+@triton.jit
 def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs,
                    LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Issue the loads of a state tile in its storage type; `decode_state` them later.
@@ -468,20 +486,21 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
         if LAYOUT == 2:
             tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT8 state must be int8")
             inv = tl.div_rn(127.0, safe)
-            y = x * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)
-            q = tl.minimum(tl.maximum(_round_half_up(y), -127.0), 127.0)
-            q = tl.where(_broadcast_blocks(ok, BLOCK_N, BLOCK_K), q, 0.0)
+            ok = ok & (inv <= 3.4028234663852886e38)  # a tiny scale's reciprocal overflows: codes 0
+            inv = tl.where(ok, inv, 0.0)
+            okb = _broadcast_blocks(ok, BLOCK_N, BLOCK_K)
+            # |y| <= 127 * (1 + 2**-24)**2 < 127.5, so the rounded code needs no clamp
+            q = _round_half_up(tl.where(okb, x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K))
             codes = q.to(tl.int32).to(tl.int8)
         else:
             tl.static_assert(LAYOUT == 3, "unknown state layout")
             tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT8_SQRT state must be uint8")
-            okb = _broadcast_blocks(ok, BLOCK_N, BLOCK_K)
             inv = tl.div_rn(1.0, safe)  # one division per block
-            t = tl.where(okb, x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)
-            y = tl.sqrt_rn(t) * 255.0
-            q = tl.minimum(tl.maximum(_round_half_up(y), 0.0), 255.0)
-            q = tl.where(okb, q, 0.0)
-            codes = q.to(tl.int32).to(tl.uint8)
+            ok = ok & (inv <= 3.4028234663852886e38)
+            inv = tl.where(ok, inv, 0.0)
+            okb = _broadcast_blocks(ok, BLOCK_N, BLOCK_K)
+            t = tl.where(okb, x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)  # [0, 1 + 2**-22]
+            codes = _sqrt_code(t).to(tl.uint8)
         tl.store(ptr + offs, codes, mask=mask)
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
         tl.store(scale_ptr + scale_offs, scale, mask=bmask)
