@@ -42,6 +42,7 @@ import torch
 from .api import SpecLike, init_state, load_spec
 from .config import resolve_hypers
 from .kernels import launch
+from .kernels.foreach import FOREACH_MAX_ELEMENTS, foreach_step, shared_launch_key
 from .kernels.launch import LINEAR_PATHS, linear_step, step as elementwise_step
 
 __all__ = ["ForgeOptimizer"]
@@ -232,6 +233,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
             where cuBLAS dW in row slabs (32 MiB with int8 state, else 16 MiB) consumed at once by the
             step kernel measured faster (dW then rounded to bf16 as autograd's is; never more than
             one slab of it exists).
+        foreach: True (default) steps the parameters left to `step()` that have up to 2**20
+            elements and share dtypes and state layouts (norm weights, biases) in one launch
+            (`forge_dsl.kernels.foreach`), as torch.optim's `foreach` does: each launch costs host
+            time. The update of each element is the same; their stochastic rounding draws
+            from the first one's seed. False: one launch per parameter.
         **hypers: the spec's keywords with torch's names and defaults (`lr`, `betas=(...)`, ...).
 
     Raises:
@@ -250,11 +256,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         seed: int = 0,
         fuse: bool = True,
         linear_path: str = "auto",
+        foreach: bool = True,
         **hypers: Any,
     ) -> None:
         if linear_path not in LINEAR_PATHS:
             raise ValueError(f"linear_path must be one of {', '.join(LINEAR_PATHS)}, got {linear_path!r}")
         self.linear_path = linear_path
+        self.foreach = bool(foreach)
         if "max_grad_norm" in hypers:
             raise ValueError("ForgeOptimizer does not offer max_grad_norm: " + _CLIP_MESSAGE)
         if rounding not in ("stochastic", "nearest"):
@@ -405,6 +413,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             hypers = self._group_hypers(group)
+            shared: dict[tuple, list[torch.nn.Parameter]] = {}  # (step, shared_launch_key) -> params
             for p in group["params"]:
                 handle = self._handles.get(p)
                 if handle is not None and handle.updated:
@@ -423,11 +432,23 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise ValueError("sparse gradients are not supported (nn.Embedding(sparse=True))")
                 state = self._state_for(p, hypers)
+                key = None
+                if self.foreach and p.numel() <= FOREACH_MAX_ELEMENTS:
+                    key = shared_launch_key(self.spec, p.data, p.grad, state)
+                if key is not None:
+                    shared.setdefault((int(state["step"]), key), []).append(p)
+                    continue
                 elementwise_step(
                     self.spec, p.data, p.grad, state, step=int(state["step"].item()) + 1,
                     seed=int(state["seed"]), rounding=self.rounding, **hypers,
                 )
                 state["step"] += 1
+            for (count, _), params in shared.items():
+                states = [self.state[p] for p in params]
+                foreach_step(self.spec, [p.data for p in params], [p.grad for p in params], states,
+                             step=count + 1, seed=int(states[0]["seed"]), rounding=self.rounding, **hypers)
+                for state in states:
+                    state["step"] += 1
         for handle in self._handles.values():
             handle.forward_uses = 0
             handle.updated = False

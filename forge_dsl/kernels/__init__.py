@@ -4,12 +4,14 @@
     forge_dsl.kernels.slab_linear_step(spec, x, dy, weight, state, step=t, **hypers)
     forge_dsl.kernels.linear_step(spec, x, dy, weight, state, step=t, path="auto", **hypers)
     forge_dsl.kernels.step(spec, param, grad, state, step=t, **hypers)
+    forge_dsl.kernels.foreach_step(spec, params, grads, states, step=t, **hypers)   # one launch for many
 
 `spec` is a built-in name, a path to a `.fopt`, or a loaded spec; hypers use
 torch's keyword names (`betas=(0.9, 0.999)` included); `state` is what
 `forge_dsl.init_state(spec, param, layout=...)` returns.
 """
 
+from .foreach import foreach_step
 from .launch import TileConfig, fused_linear_step, linear_step, mix_seed, slab_linear_step, step
 
-__all__ = ["TileConfig", "fused_linear_step", "linear_step", "mix_seed", "slab_linear_step", "step"]
+__all__ = ["TileConfig", "foreach_step", "fused_linear_step", "linear_step", "mix_seed", "slab_linear_step", "step"]
