@@ -374,7 +374,7 @@ def _round_half_up(y):
 
 @triton.jit
 def _sqrt_code(t):
-    """UINT8_SQRT code of t = x / scale in [0, 1 + 2**-22]: the number of thresholds
+    """UINT8_SQRT code of t = x / scale in [0, 1 + 2**-23]: the number of thresholds
     theta_k = ((k - 0.5) * R255)**2 (fp32, k = 1..255) that t reaches, as int32.
 
     That is round-half-up of 255 * sqrt(t) with the half-way points taken in fp32,
@@ -499,7 +499,7 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
             ok = ok & (inv <= 3.4028234663852886e38)
             inv = tl.where(ok, inv, 0.0)
             okb = _broadcast_blocks(ok, BLOCK_N, BLOCK_K)
-            t = tl.where(okb, x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)  # [0, 1 + 2**-22]
+            t = tl.where(okb, x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)  # [0, 1 + 2**-23]
             codes = _sqrt_code(t).to(tl.uint8)
         tl.store(ptr + offs, codes, mask=mask)
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
