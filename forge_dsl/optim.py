@@ -42,7 +42,7 @@ import torch
 from .api import SpecLike, init_state, load_spec
 from .config import resolve_hypers
 from .kernels import launch
-from .kernels.foreach import FOREACH_MAX_ELEMENTS, foreach_step, shared_launch_key
+from .kernels.foreach import FOREACH_MAX_ELEMENTS, _step_flat, shared_launch_key
 from .kernels.launch import LINEAR_PATHS, linear_step, step as elementwise_step
 
 __all__ = ["ForgeOptimizer"]
@@ -445,8 +445,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 state["step"] += 1
             for (count, _), params in shared.items():
                 states = [self.state[p] for p in params]
-                foreach_step(self.spec, [p.data for p in params], [p.grad for p in params], states,
-                             step=count + 1, seed=int(states[0]["seed"]), rounding=self.rounding, **hypers)
+                # grouped by shared_launch_key just above: foreach_step's checks would find them equal again
+                _step_flat(self.spec, [p.data for p in params], [p.grad for p in params], states,
+                           step=count + 1, seed=int(states[0]["seed"]), rounding=self.rounding, **hypers)
                 for state in states:
                     state["step"] += 1
         for handle in self._handles.values():

@@ -134,6 +134,14 @@ def foreach_step(
             "layouts and scalar-state values, contiguous params and, with int8 state, a last dimension that is "
             "a multiple of 64 (group them by forge_dsl.kernels.foreach.shared_launch_key)"
         )
+    _step_flat(spec, params, grads, states, step=step, seed=seed, rounding=rounding, **hypers)
+
+
+def _step_flat(spec, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+               states: Sequence[MutableMapping[str, Any]], *, step: int, seed: int, rounding: str,
+               **hypers: Any) -> None:
+    """`foreach_step` for a loaded spec and parameters already checked to share a launch (equal
+    `shared_launch_key`s, as `ForgeOptimizer.step` groups them): flatten, one launch, copy back."""
     if len(params) == 1:
         elementwise_step(spec, params[0], grads[0], states[0], step=step, seed=seed, rounding=rounding, **hypers)
         return
