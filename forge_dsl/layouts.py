@@ -67,7 +67,7 @@ Error bounds (apart from a few fp32 ulps of scale):
                 farther than half the gap.
 
 bf16 conversion is done on integer bits (`bf16_round_nearest_bits`,
-`bf16_from_bits`): round to nearest even, NaN → 0x7FC0, ±inf kept, subnormals
+`bf16_from_bits`): round to nearest even, NaN → 0x7FFF, ±inf kept, subnormals
 rounded like any other value (no flushing) — the same as torch's
 `x.to(torch.bfloat16)`.
 """
@@ -185,7 +185,8 @@ def storage_dtype(layout) -> torch.dtype:
 def bf16_round_nearest_bits(x: Tensor) -> Tensor:
     """fp32 → bf16 bit patterns (int16), round to nearest even, on integer bits.
 
-    NaN → 0x7FC0 (quiet NaN, whatever the sign or payload); ±inf stay ±inf; finite
+    NaN → 0x7FFF (quiet NaN, whatever the sign or payload: the pattern the GPU's conversion
+    instruction gives); ±inf stay ±inf; finite
     values past the largest bf16 round to ±inf; subnormals round like any value.
     """
     x = x.to(torch.float32)
@@ -193,7 +194,7 @@ def bf16_round_nearest_bits(x: Tensor) -> Tensor:
     # int32 arithmetic cannot overflow here for non-NaN inputs: the largest
     # magnitude bits are 0x7F800000 (inf) and the add is at most 0x8000.
     r = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
-    r = torch.where(torch.isnan(x), torch.full_like(r, 0x7FC0), r)
+    r = torch.where(torch.isnan(x), torch.full_like(r, 0x7FFF), r)
     return r.to(torch.int16)
 
 

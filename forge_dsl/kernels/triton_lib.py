@@ -11,8 +11,10 @@ interpreter, the compiled kernel and the torch reference agree bit for bit.
 What makes that hold:
 
 * bf16 is read and written as int16 bit patterns (pass `t.view(torch.int16)`):
-  the interpreter truncates fp32 → bf16 on a store while the GPU rounds, so the
-  rounding is done here on integer bits.
+  the interpreter truncates fp32 → bf16 while the GPU rounds, so the
+  interpreter rounds here on integer bits and the compiled kernel uses the
+  hardware conversion, which gives the same bits (`COMPILED` switches);
+  stochastic rounding is integer arithmetic on both.
 * divisions use `tl.div_rn` (IEEE; plain `/` is approximate on NVIDIA GPUs); the
   one square root (`_sqrt_code`) is approximate and then corrected by an exact
   comparison, so its result does not depend on the root's rounding.
@@ -40,6 +42,7 @@ tensor would leave the masked elements' codes with a stale scale.
 
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 # Layout codes, equal to forge_dsl.layouts.StateLayout. Module-level constants
 # must be `tl.constexpr(...)` objects for jit code to read them (the interpreter
@@ -108,13 +111,29 @@ def bf16_bits_to_fp32(bits):
     return w.to(tl.float32, bitcast=True)
 
 
+# Whether this module's jit functions run compiled (True) or in the Triton interpreter (False).
+# Triton decides that when it decorates them (TRITON_INTERPRET at import), so this is read from one of them.
+COMPILED = tl.constexpr(isinstance(bf16_bits_to_fp32, JITFunction))
+
+
 @triton.jit
 def fp32_to_bf16_bits_rne(x):
-    """fp32 → int16 bf16 bit patterns, round to nearest even; NaN → 0x7FC0, inf kept."""
-    b = x.to(tl.float32).to(tl.uint32, bitcast=True)
-    r = (b + (((b >> 16) & 1) + 0x7FFF)) >> 16
-    r = tl.where(x != x, 0x7FC0, r)
-    return r.to(tl.uint16).to(tl.int16, bitcast=True)
+    """fp32 → int16 bf16 bit patterns, round to nearest even; NaN → 0x7FFF, inf kept, subnormals kept.
+
+    Compiled: the hardware conversion (`cvt.rn.bf16x2.f32`, one instruction per two elements; NaN
+    gives the canonical 0x7FFF). Interpreted: the same result on integer bits, since the interpreter
+    truncates. Both equal `forge_dsl.layouts.bf16_round_nearest_bits` bit for bit
+    (tests/test_triton_lib.py, every rounding case and special value). The integer form costs about
+    6 instructions per element, which made the two bf16 states of AdamW a sixth of the warp-specialized
+    epilogue's instructions (docs/PERF.md v11b).
+    """
+    if COMPILED:
+        return x.to(tl.float32).to(tl.bfloat16).to(tl.int16, bitcast=True)
+    else:
+        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        r = (b + (((b >> 16) & 1) + 0x7FFF)) >> 16
+        r = tl.where(x != x, 0x7FFF, r)
+        return r.to(tl.uint16).to(tl.int16, bitcast=True)
 
 
 @triton.jit
@@ -132,21 +151,27 @@ def _hash32(x):
 def random_bits(offs, seed):
     """32 random bits per element, a function of (seed mod 2**32, element index mod 2**32) only.
 
-    Two rounds of `_hash32` keyed by the seed: 4 multiplies per element, against
-    about 20 for `tl.randint` (Philox-4x32-10, which computes 4 words to use one);
-    on the H200 Philox made the bf16 write-back cost more than the whole GEMM.
-    Integer arithmetic only, so the interpreter and the GPU draw the same bits.
+    One round of `_hash32` per element, on a Weyl step of the index, idx * 0x9E3779B9 + key,
+    where the key hashes the seed twice, once per program: 3 multiplies per element, against
+    about 20 for `tl.randint` (Philox-4x32-10, which computes 4 words to use one; on the H200
+    it made the bf16 write-back cost more than the whole GEMM). Both maps are bijections of
+    uint32, so one step's elements hash distinct inputs. The multiply matters: one round on
+    idx ^ key leaves the bits of elements a power of two apart correlated (|z| up to 13 over
+    2**23 elements; `test_random_bits_uncorrelated_at_any_lag`); the Weyl step spreads such
+    differences over the high bits, and the result is as uncorrelated as two rounds, which
+    cost 9 more instructions per element, the epilogue's largest integer cost (docs/PERF.md
+    v11a). Integer arithmetic only, so the interpreter and the GPU draw the same bits.
     """
     # The low 32 bits of the seed only: Triton passes a seed in [2**31, 2**32) as uint32 when compiling
     # and as int32 in the interpreter, so any use of the high bits would differ between the two.
     lo = tl.cast(seed, tl.int64).to(tl.uint32)
     key = _hash32(_hash32(lo) + 0x9E3779B9)
-    return _hash32(_hash32(offs.to(tl.uint32) ^ key) + key)
+    return _hash32(offs.to(tl.uint32) * 0x9E3779B9 + key)
 
 
 @triton.jit
 def fp32_to_bf16_bits_stochastic(x, offs, seed):
-    """fp32 → int16 bf16 bit patterns, stochastic rounding; NaN → 0x7FC0, inf kept.
+    """fp32 → int16 bf16 bit patterns, stochastic rounding; NaN → 0x7FFF, inf kept.
 
     Adds 16 random bits to the fp32 pattern and truncates, so a value rounds up
     with probability (its low 16 bits) / 65536: unbiased. The random bits are
@@ -156,7 +181,7 @@ def fp32_to_bf16_bits_stochastic(x, offs, seed):
     b = x.to(tl.float32).to(tl.uint32, bitcast=True)
     rnd = random_bits(offs, seed)
     r = (b + (rnd & 0xFFFF)) >> 16
-    r = tl.where(x != x, 0x7FC0, r)
+    r = tl.where(x != x, 0x7FFF, r)
     return r.to(tl.uint16).to(tl.int16, bitcast=True)
 
 
