@@ -495,7 +495,7 @@ def fused_linear_step(
         x_arg, dy_arg, w_view, *state_args, *exports,
         mix_seed(seed, step), T, N, K, n_blocks(K),
         x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
-        W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
+        W_BF16=w_bf16, STOCHASTIC=rounding_code(rounding, K), **layouts,
         DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
         BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
         K_HALVES=cfg.k_halves, EPILOGUE_SPLIT=cfg.epilogue_split, TMA=tma,
@@ -533,7 +533,7 @@ def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16:
     programs = min(gluon_lib.sm_count(x2.device), triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k))
     fused_ws[(programs,)](
         x_desc, dy_desc, w_view, *state_args, *exports, seed, T, N, K, n_blocks(K),
-        W_BF16=w_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
+        W_BF16=w_bf16, STOCHASTIC=rounding_code(rounding, K), **layouts,
         NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages, SLICE_N=cfg.block_n // cfg.epilogue_split,
         EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch, MMA_WARPS=cfg.mma_warps,
         MMA_REGISTERS=cfg.mma_registers, MMA_SLICES=cfg.mma_slices,
@@ -748,9 +748,19 @@ def _launch_elementwise(elementwise, param: torch.Tensor, grad: torch.Tensor, st
     elementwise[(triton_cdiv(rows, block_n), triton_cdiv(cols, block_k))](
         p_view, g_view, *state_args, *exports,
         key, rows, cols, n_blocks(cols),
-        W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding == "stochastic", **layouts,
+        W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding_code(rounding, cols), **layouts,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
+
+
+def rounding_code(rounding: str, n_cols: int) -> int:
+    """`triton_lib.store_weight`'s STOCHASTIC for a weight of `n_cols` columns: "nearest" → 0
+    (ROUND_NEAREST); "stochastic" → 2 (ROUND_STOCHASTIC_PAIRS, one hash per two neighbours) where every
+    tile row starts at an even element index, i.e. `n_cols` is even (tiles start at even columns),
+    else 1 (ROUND_STOCHASTIC). Both stochastic codes draw the same bits (`triton_lib.random16`)."""
+    if rounding == "nearest":
+        return 0
+    return 2 if n_cols % 2 == 0 else 1
 
 
 def triton_cdiv(a: int, b: int) -> int:

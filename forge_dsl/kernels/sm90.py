@@ -29,7 +29,7 @@ import torch
 from ..api import SpecLike, builtin_names, init_state, load_spec
 from ..layouts import StateLayout
 from . import gluon_lib
-from .launch import TileConfig, _prepare_state, _variant, fused_config, is_quantized, stored_bytes
+from .launch import TileConfig, _prepare_state, _variant, fused_config, is_quantized, rounding_code, stored_bytes
 
 __all__ = ["Resources", "compile_fused", "main"]
 
@@ -77,16 +77,17 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
                                  stored_bytes=stored_bytes(True, layouts))
     act = "fp32" if fp32 else "bf16"
     precision = {"fp32": "ieee", "tf32": "tf32"}.get(activations)
+    stochastic = rounding_code("stochastic", 4096)  # a 4096² layer: one hash per two elements
     if cfg.warp_specialized:
         if fp32 or fused_ws is None:
             raise ValueError("the warp-specialized kernel needs bf16 activations and Triton ≥ 3.6 with Gluon")
         fused = fused_ws
-        constexprs = {"W_BF16": True, "STOCHASTIC": True, "NUM_PROGRAMS": 132, "GROUP_N": cfg.group_n,
+        constexprs = {"W_BF16": True, "STOCHASTIC": stochastic, "NUM_PROGRAMS": 132, "GROUP_N": cfg.group_n,
                       "STAGES": cfg.num_stages, "SLICE_N": cfg.block_n // cfg.epilogue_split,
                       "EPILOGUE_WARPS": cfg.num_warps, "PREFETCH": cfg.prefetch, "MMA_WARPS": cfg.mma_warps,
                       "MMA_REGISTERS": cfg.mma_registers, "MMA_SLICES": cfg.mma_slices, **layouts}
     else:
-        constexprs = {"W_BF16": True, "STOCHASTIC": True, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
+        constexprs = {"W_BF16": True, "STOCHASTIC": stochastic, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
                       "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
                       "K_HALVES": cfg.k_halves, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": cfg.tma,
                       "stride_xk": 1, "stride_dyn": 1, **layouts}

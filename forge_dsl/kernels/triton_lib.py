@@ -59,7 +59,18 @@ QBLOCK = tl.constexpr(64)  # forge_dsl.layouts.BLOCK
 R255 = tl.constexpr(0.003921568859368563)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
+# How `store_weight` writes a bf16 weight: its STOCHASTIC argument (`launch.rounding_code` picks it).
+ROUND_NEAREST = tl.constexpr(0)
+ROUND_STOCHASTIC = tl.constexpr(1)  # any tile
+ROUND_STOCHASTIC_PAIRS = tl.constexpr(2)  # one hash per two elements; needs an even number of columns
+
+
 __all__ = [
+    "ROUND_NEAREST",
+    "ROUND_STOCHASTIC",
+    "ROUND_STOCHASTIC_PAIRS",
+    "random_bits",
+    "random16",
     "accumulate_dw",
     "accumulate_dw_halves",
     "split_columns",
@@ -148,39 +159,56 @@ def _hash32(x):
 
 
 @triton.jit
-def random_bits(offs, seed):
-    """32 random bits per element, a function of (seed mod 2**32, element index mod 2**32) only.
+def random_bits(idx, seed):
+    """32 random bits for each index `idx` (any int tensor), a function of (seed mod 2**32, idx mod 2**32) only.
 
-    One round of `_hash32` per element, on a Weyl step of the index, idx * 0x9E3779B9 + key,
-    where the key hashes the seed twice, once per program: 3 multiplies per element, against
-    about 20 for `tl.randint` (Philox-4x32-10, which computes 4 words to use one; on the H200
-    it made the bf16 write-back cost more than the whole GEMM). Both maps are bijections of
-    uint32, so one step's elements hash distinct inputs. The multiply matters: one round on
-    idx ^ key leaves the bits of elements a power of two apart correlated (|z| up to 13 over
-    2**23 elements; `test_random_bits_uncorrelated_at_any_lag`); the Weyl step spreads such
-    differences over the high bits, and the result is as uncorrelated as two rounds, which
-    cost 9 more instructions per element, the epilogue's largest integer cost (docs/PERF.md
-    v11a). Integer arithmetic only, so the interpreter and the GPU draw the same bits.
+    One round of `_hash32` per index, on a Weyl step, idx * 0x9E3779B9 + key, where the key hashes
+    the seed twice, once per program: 3 multiplies per index, against about 20 for `tl.randint`
+    (Philox-4x32-10, which computes 4 words to use one; on the H200 it made the bf16 write-back cost
+    more than the whole GEMM). Both maps are bijections of uint32, so distinct indices hash distinct
+    inputs. The multiply matters: one round on idx ^ key leaves the bits of indices a power of two
+    apart correlated (|z| up to 13 over 2**23 indices); the Weyl step spreads such differences over
+    the high bits, and the result is as uncorrelated as two rounds, which cost 9 more instructions
+    (docs/PERF.md v11a; `test_random_bits_uncorrelated_at_any_lag`). Integer arithmetic only, so the
+    interpreter and the GPU draw the same bits.
     """
     # The low 32 bits of the seed only: Triton passes a seed in [2**31, 2**32) as uint32 when compiling
     # and as int32 in the interpreter, so any use of the high bits would differ between the two.
     lo = tl.cast(seed, tl.int64).to(tl.uint32)
     key = _hash32(_hash32(lo) + 0x9E3779B9)
-    return _hash32(offs.to(tl.uint32) * 0x9E3779B9 + key)
+    return _hash32(idx.to(tl.uint32) * 0x9E3779B9 + key)
 
 
 @triton.jit
-def fp32_to_bf16_bits_stochastic(x, offs, seed):
+def random16(offs, seed):
+    """16 random bits per element, as uint32 in [0, 65536): element e takes the low half (e even) or the
+    high half (e odd) of `random_bits(e >> 1, seed)`, so two neighbours share one hash (v11c). A function
+    of (seed mod 2**32, e mod 2**33) only, never of the tile shape."""
+    h = random_bits(offs >> 1, seed)
+    return (h >> ((offs & 1) * 16).to(tl.uint32)) & 0xFFFF
+
+
+@triton.jit
+def fp32_to_bf16_bits_stochastic(x, offs, seed, PAIRS: tl.constexpr):
     """fp32 → int16 bf16 bit patterns, stochastic rounding; NaN → 0x7FFF, inf kept.
 
     Adds 16 random bits to the fp32 pattern and truncates, so a value rounds up
     with probability (its low 16 bits) / 65536: unbiased. The random bits are
-    `random_bits(offs, seed)`: a function of (seed, element index mod 2**32)
-    only, never of the tile shape.
+    `random16(offs, seed)`: a function of (seed, element index) only, never of
+    the tile shape. x, offs: [BN, BK]. PAIRS: every row of the tile starts at an
+    even element index (and BK is even); then each pair of neighbours hashes once,
+    4.5 instructions per element fewer, the same bits.
     """
     b = x.to(tl.float32).to(tl.uint32, bitcast=True)
-    rnd = random_bits(offs, seed)
-    r = (b + (rnd & 0xFFFF)) >> 16
+    if PAIRS:
+        BN: tl.constexpr = x.shape[0]
+        BK: tl.constexpr = x.shape[1]
+        b_even, b_odd = tl.split(tl.reshape(b, [BN, BK // 2, 2]))  # [BN, BK // 2] each
+        offs_even, offs_odd = tl.split(tl.reshape(offs, [BN, BK // 2, 2]))
+        h = random_bits(offs_even >> 1, seed)
+        r = tl.reshape(tl.join((b_even + (h & 0xFFFF)) >> 16, (b_odd + (h >> 16)) >> 16), [BN, BK])
+    else:
+        r = (b + random16(offs, seed)) >> 16
     r = tl.where(x != x, 0x7FFF, r)
     return r.to(tl.uint16).to(tl.int16, bitcast=True)
 
@@ -332,12 +360,15 @@ def load_weight(ptr, offs, mask, W_BF16: tl.constexpr):
 def store_weight(ptr, value, offs, mask, seed, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Store an fp32 weight tile.
 
-    W_BF16: the weight is bf16 and `ptr` points at its int16 view; it is
-    rounded to nearest even, or stochastically when STOCHASTIC (ignored for fp32).
+    W_BF16: the weight is bf16 and `ptr` points at its int16 view; it is rounded as
+    STOCHASTIC says (ignored for fp32): ROUND_NEAREST (0, or False) to nearest even,
+    ROUND_STOCHASTIC (1, or True) stochastically, ROUND_STOCHASTIC_PAIRS (2) the same
+    bits with one hash per two neighbours, where every tile row starts at an even
+    element index (`launch.rounding_code` picks it from the number of columns).
 
     seed: a Python int in [0, 2**63), the key of `random_bits`. The
     caller mixes (user seed, step) into it; the random bits of element `offs`
-    depend only on (seed, offs mod 2**32). Interpreter and GPU give the same
+    depend only on (seed, offs) (`random16`). Interpreter and GPU give the same
     bits for seeds 0, 1, 7, 2**31 - 1, 2**31 + 3, 2**40 + 12345 and 2**63 - 1
     (tests/test_triton_lib.py). Triton types an int argument by its value (i32
     below 2**31, then u32 / i64) and specializes values equal to 1 or divisible
@@ -348,7 +379,7 @@ def store_weight(ptr, value, offs, mask, seed, W_BF16: tl.constexpr, STOCHASTIC:
     if W_BF16:
         tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 weights must be passed as t.view(torch.int16)")
         if STOCHASTIC:
-            bits = fp32_to_bf16_bits_stochastic(value, offs, seed)
+            bits = fp32_to_bf16_bits_stochastic(value, offs, seed, STOCHASTIC == 2)
         else:
             bits = fp32_to_bf16_bits_rne(value)
         tl.store(ptr + offs, bits, mask=mask)
