@@ -249,25 +249,30 @@ def launch(x, dy, weight, state, cfg: TileConfig, *, step: int, seed: int, timel
 
 
 def summarize(tl_cycles: torch.Tensor, tiles_per_program: list[int], ghz: float) -> dict[str, float]:
-    """Mean µs per tile over programs and their tiles after the first: the period and its parts."""
-    rows = []
+    """Mean µs per tile, over programs and their tiles after the first, of the period and its parts.
+
+    tl_cycles [programs, tiles, SLOTS] int64 as `fused_tl` wrote it (see the module docstring); a program's
+    tiles past tiles_per_program[p] are unused. "mma after hand-over" (the MMA warps' own slices, until the
+    next tile's loop starts) needs a next tile, so it leaves out each program's last."""
+    parts: dict[str, list[float]] = {}
+
+    def add(name: str, cycles) -> None:
+        parts.setdefault(name, []).append(float(cycles))
+
     for p, n in enumerate(tiles_per_program):
         t = tl_cycles[p, :n].double()
         for j in range(1, n):
-            rows.append({
-                "period": t[j, 0] - t[j - 1, 0],
-                "loop": t[j, 2] - t[j, 0],
-                "loop: ring waits": t[j, 1],
-                "mma waits for acc_smem": t[j, 3] - t[j, 2],
-                "hand-over store": t[j, 4] - t[j, 3],
-                "mma after hand-over": (t[j + 1, 0] if j + 1 < n else t[j, 4]) - t[j, 4],
-                "epilogue waits for tile": t[j, 6] - t[j, 5],
-                "epilogue busy": t[j, 7] - t[j, 6],
-                "loader ring-full waits": t[j, 8],
-            })
-    if not rows:
-        return {}
-    return {k: float(sum(r[k] for r in rows) / len(rows)) / (ghz * 1e3) for k in rows[0]}
+            add("period", t[j, 0] - t[j - 1, 0])
+            add("loop", t[j, 2] - t[j, 0])
+            add("loop: ring waits", t[j, 1])
+            add("mma waits for acc_smem", t[j, 3] - t[j, 2])
+            add("hand-over store", t[j, 4] - t[j, 3])
+            if j + 1 < n:
+                add("mma after hand-over", t[j + 1, 0] - t[j, 4])
+            add("epilogue waits for tile", t[j, 6] - t[j, 5])
+            add("epilogue busy", t[j, 7] - t[j, 6])
+            add("loader ring-full waits", t[j, 8])
+    return {name: sum(v) / len(v) / (ghz * 1e3) for name, v in parts.items()}
 
 
 def _time(call, calls: int = 5) -> float:

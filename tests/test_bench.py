@@ -317,3 +317,29 @@ def test_anatomy_warp_specialized_kernel_is_the_fused_step():
     assert not torch.equal(w, w2.new_zeros(w2.shape))
     for got, ref in ((w, w2), (state["exp_avg"], state2["exp_avg"]), (state["exp_avg_sq"], state2["exp_avg_sq"])):
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+def test_ws_timeline_summary_reads_the_stamps():
+    """bench/ws_timeline.py's per-tile parts from hand-made stamps: two programs of 3 and 2 tiles at 2 GHz,
+    each part a different number of cycles, against the means worked out by hand."""
+    from forge_dsl.kernels import gluon_lib
+
+    if not gluon_lib.AVAILABLE:
+        pytest.skip("bench/ws_timeline.py builds Gluon kernels: this Triton has no Gluon")
+    timeline = _bench_script("ws_timeline")
+    stamps = torch.zeros(2, 3, int(timeline.SLOTS), dtype=torch.int64)
+    for p, starts in enumerate(([0, 10_000, 22_000], [5_000, 17_000, 0])):
+        for j, t0 in enumerate(starts):
+            loop_end = t0 + 6_000 + 1_000 * p  # loop 6000 / 7000 cycles
+            stamps[p, j, :9] = torch.tensor([t0, 400 * (j + 1), loop_end, loop_end + 200, loop_end + 1_200,
+                                             t0 + 100, t0 + 2_100 + p, t0 + 9_100, 3_000 + j])
+    got = timeline.summarize(stamps, [3, 2], ghz=2.0)
+    # tiles after each program's first: (p0, j1), (p0, j2), (p1, j1); cycles / 2000 = µs
+    want = {"period": (10_000 + 12_000 + 12_000) / 3, "loop": (6_000 + 6_000 + 7_000) / 3,
+            "loop: ring waits": (800 + 1_200 + 800) / 3, "mma waits for acc_smem": 200,
+            "hand-over store": 1_000, "mma after hand-over": 22_000 - (10_000 + 6_000 + 1_200),  # (p0, j1) only
+            "epilogue waits for tile": (2_000 + 2_000 + 2_001) / 3, "epilogue busy": (7_000 + 7_000 + 6_999) / 3,
+            "loader ring-full waits": (3_001 + 3_002 + 3_001) / 3}
+    assert got.keys() == want.keys()
+    for name, cycles in want.items():
+        assert got[name] == pytest.approx(cycles / 2_000), name
