@@ -33,7 +33,7 @@ from forge_dsl.kernels.gluon_lib import (
     ws_allocate, ws_read_slice, ws_slice_offsets, ws_tile_start, ws_tiles,
 )
 from forge_dsl.kernels.launch import (
-    _prepare_state, _variant, fused_config, fused_linear_step, mix_seed, rounding_code, triton_cdiv,
+    _hopper_with_gluon, _prepare_state, _variant, fused_config, fused_linear_step, mix_seed, rounding_code, triton_cdiv,
 )
 from forge_dsl.layouts import n_blocks
 
@@ -295,6 +295,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="512,2048", help="T,... (default: 512,2048)")
     ap.add_argument("--config", help="tile config (default: fused_config's)")
     args = ap.parse_args()
+    if not torch.cuda.is_available() or not _hopper_with_gluon(torch.device("cuda")):
+        raise SystemExit("bench/ws_timeline.py times the warp-specialized kernel: it needs a Hopper GPU (sm_90) "
+                         "and a Triton with Gluon (>= 3.6)")
     dev = torch.device("cuda")
     programs_max = sm_count(dev)
     for shape in args.shapes.split(","):
