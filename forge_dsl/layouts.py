@@ -268,20 +268,16 @@ def quantize(x: Tensor, layout) -> Tuple[Tensor, Optional[Tensor]]:
     ok = _valid_scale(scale)
     s3 = scale[..., None]
     ok3 = ok[..., None]
+    # INT8: y = x * (127 / scale); UINT8_SQRT: t = x * (1 / scale). One division per block, not per element.
+    inv = torch.full_like(s3, 127.0 if layout == StateLayout.INT8 else 1.0) / s3
+    ok3 = ok3 & (inv < math.inf)  # a tiny scale's reciprocal overflows: codes 0
+    inv = torch.where(ok3, inv, torch.zeros_like(inv))
+    y = torch.where(ok3, x3, torch.zeros_like(x3)) * inv
     if layout == StateLayout.INT8:
-        inv = torch.full_like(s3, 127.0) / s3
-        ok3 = ok3 & (inv < math.inf)
-        inv = torch.where(ok3, inv, torch.zeros_like(inv))
-        q = _round_half_up(torch.where(ok3, x3, torch.zeros_like(x3)) * inv)
-        q = q.to(torch.int8)
+        q = _round_half_up(y).to(torch.int8)
     else:
-        inv = torch.full_like(s3, 1.0) / s3  # one division per block, not per element
-        ok3 = ok3 & (inv < math.inf)
-        inv = torch.where(ok3, inv, torch.zeros_like(inv))
-        t = torch.where(ok3, x3, torch.zeros_like(x3)) * inv
-        thresholds = _SQRT_THRESHOLDS.to(t.device)
-        q = torch.searchsorted(thresholds, t.contiguous(), right=True)  # thresholds <= t
-        q = q.to(torch.uint8)
+        thresholds = _SQRT_THRESHOLDS.to(y.device)
+        q = torch.searchsorted(thresholds, y.contiguous(), right=True).to(torch.uint8)  # thresholds <= y
     q = q.reshape(rows, nb * BLOCK)[:, :cols].reshape(x.shape).contiguous()
     return q, scale.contiguous()
 

@@ -539,24 +539,19 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
         scale = amax.to(tl.float32, bitcast=True)  # [BLOCK_N, NB]
         ok = (scale > 0.0) & (scale <= 3.4028234663852886e38)  # finite and > 0 (NaN fails both)
         safe = tl.where(ok, scale, 1.0)
+        # INT8: y = x * (127 / scale); UINT8_SQRT: t = x * (1 / scale). One division per block.
+        inv = tl.div_rn(127.0 if LAYOUT == 2 else 1.0, safe)
+        ok = ok & (inv <= 3.4028234663852886e38)  # a tiny scale's reciprocal overflows: codes 0
+        inv = tl.where(ok, inv, 0.0)
+        y = tl.where(_broadcast_blocks(ok, BLOCK_N, BLOCK_K), x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)
         if LAYOUT == 2:
             tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT8 state must be int8")
-            inv = tl.div_rn(127.0, safe)
-            ok = ok & (inv <= 3.4028234663852886e38)  # a tiny scale's reciprocal overflows: codes 0
-            inv = tl.where(ok, inv, 0.0)
-            okb = _broadcast_blocks(ok, BLOCK_N, BLOCK_K)
             # |y| <= 127 * (1 + 2**-24)**2 < 127.5, so the rounded code needs no clamp
-            q = _round_half_up(tl.where(okb, x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K))
-            codes = q.to(tl.int32).to(tl.int8)
+            codes = _round_half_up(y).to(tl.int32).to(tl.int8)
         else:
             tl.static_assert(LAYOUT == 3, "unknown state layout")
             tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT8_SQRT state must be uint8")
-            inv = tl.div_rn(1.0, safe)  # one division per block
-            ok = ok & (inv <= 3.4028234663852886e38)
-            inv = tl.where(ok, inv, 0.0)
-            okb = _broadcast_blocks(ok, BLOCK_N, BLOCK_K)
-            t = tl.where(okb, x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)  # [0, 1 + 2**-23]
-            codes = _sqrt_code(t).to(tl.uint8)
+            codes = _sqrt_code(y).to(tl.uint8)  # y in [0, 1 + 2**-23]
         tl.store(ptr + offs, codes, mask=mask)
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
         tl.store(scale_ptr + scale_offs, scale, mask=bmask)
