@@ -10,7 +10,7 @@ partitions share one SM, so its stamps share one clock. Per tile j of a program:
   loader    8 cycles waiting for free ring buffers during tile j (summed)
   clocks    9 `%globaltimer` (ns) beside slot 0, 10 beside slot 7: cycles over nanoseconds give the SM clock
 
-    python bench/ws_timeline.py --shapes 4096x4096,14336x4096 --tokens 512,2048 [--config 64,128,128,8,4,split=4,ws=8]
+    python bench/ws_timeline.py --shapes 4096x4096,14336x4096 --tokens 512,2048 [--config 64,128,128,8,5,split=4,ws=8]
 
 Prints, per case, the mean over programs and over tiles after each program's first: the tile period and
 where it goes, in µs at the SM clock measured by the same run (cycles over elapsed time of a timed call).

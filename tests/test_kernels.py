@@ -383,14 +383,14 @@ def test_tile_configs_are_validated():
 
 def test_default_tile_configs_on_the_h200():
     """docs/PERF.md, v7: the warp-specialized kernel on layers of 2^22 elements and more (bf16 activations,
-    a Hopper GPU with Gluon; int8 state too since v9), its MMA warps updating a slice of each tile up to 512
-    tokens (v8); v4 and v5 otherwise: 128×128 tiles with a quarter-slice
+    a Hopper GPU with Gluon; int8 state too since v9; a 5-buffer TMA ring since v13), its MMA warps updating
+    a slice of each tile up to 512 tokens (v8); v4 and v5 otherwise: 128×128 tiles with a quarter-slice
     epilogue in 128 registers, except 64×64 tiles up to 512 tokens on layers of 2^24 elements and more,
     and up to 1024 on layers under 2^22; int8 state and float32 activations have their own tiles."""
     cuda = torch.device("cuda")
     ws = launch.fused_config(2048, 4096, 4096, cuda, hopper=True)
     assert (ws.block_n, ws.block_k, ws.num_stages, ws.epilogue_split, ws.mma_warps, ws.num_warps) == \
-        (128, 128, 4, 4, 8, 8)
+        (128, 128, 5, 4, 8, 8)
     assert ws.launch_maxnreg == 96  # 20 warps share an SM's 64 K registers
     assert ws.prefetch  # bf16 weights and two bf16 states: 6 bytes per element
     assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, stored_bytes=10).prefetch  # two fp32 states
@@ -597,7 +597,7 @@ def test_large_shape_against_cublas(w_dtype):
 @pytest.mark.parametrize("n", [4096, 1024])
 def test_default_configs_on_llama_sized_layers(n, t, layout):
     """Each H200 default config at Llama-sized layers (q/o 4096², k/v 1024×4096): the warp-specialized
-    kernel as shipped (8 MMA warps, 4 ring buffers; 1024 or 256 tiles over 132 persistent programs, so
+    kernel as shipped (8 MMA warps, 5 ring buffers; 1024 or 256 tiles over 132 persistent programs, so
     every barrier of the ring and of the dW hand-over wraps its phase many times), with bf16 state and with
     int8 state (no prefetch; the MMA warps' slice at 512 tokens): the fused step against the element-wise step on
     cuBLAS's fp32 dW, from the same bf16 weights and state. Both quantize and round with the same code,

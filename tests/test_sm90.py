@@ -34,14 +34,14 @@ CASES += [("rmsprop", "bf16", h, None, "bf16")
           for h in ({"momentum": 0.9}, {"centered": True}, {"centered": True, "momentum": 0.9})]
 # the warp-specialized kernel (the default above for bf16 state where this Triton has Gluon) with fp32
 # state, and with 4 MMA and 4 epilogue warps
-CASES += [(name, "fp32", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,4,split=4,ws=8,prefetch=0",
+CASES += [(name, "fp32", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,5,split=4,ws=8,prefetch=0",
            "bf16") for name in forge_dsl.builtin_names()]
 # ... with int8 state (no prefetch: fused_config's choice there)
-CASES += [(name, "int8", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,4,split=4,ws=8,prefetch=0",
+CASES += [(name, "int8", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,5,split=4,ws=8,prefetch=0",
            "bf16") for name in forge_dsl.builtin_names()]
 CASES += [("adamw", "bf16", {}, "32,128,128,4,2,split=4,ws=4", "bf16")]
 # ... with its MMA warps updating one slice of each tile (NAdam: the most registers)
-CASES += [(name, "bf16", {}, "64,128,128,8,4,split=4,ws=8,mmaslices=1", "bf16") for name in ("adamw", "nadam")]
+CASES += [(name, "bf16", {}, "64,128,128,8,5,split=4,ws=8,mmaslices=1", "bf16") for name in ("adamw", "nadam")]
 CASES += [("adamw", "bf16", {}, "64,64,64,4,4,0,1", "bf16"), ("adamw", "bf16", {}, "64,64,64,4,4", "bf16"),
           ("adamw", "int8", {}, "128,64,64,4,3", "bf16"), ("adamw", "bf16", {}, None, "fp32"),
           ("adamw", "int8", {}, None, "tf32")]

@@ -122,7 +122,7 @@ class TileConfig:
         given), R registers per thread, M the warp-specialized kernel's MMA warps (4 or 8; it reads through TMA),
         P 0 or 1, U the row slices of each tile its MMA warps update.
         '64,128,128,8,3,0,1,split=4,maxnreg=128' → TileConfig(64, 128, 128, num_warps=8, num_stages=3, tma=True,
-        epilogue_split=4, maxnreg=128); '64,128,128,8,4,split=4,ws=8' → the warp-specialized default."""
+        epilogue_split=4, maxnreg=128); '64,128,128,8,5,split=4,ws=8' → the warp-specialized default."""
         keywords = {}
         try:
             tokens = text.split(",")
@@ -165,8 +165,8 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     On Hopper (sm_90) with Gluon, for bf16 activations and layers of 2^22 elements and more (at least 256
     tiles of 128×128 for 132 SMs): the warp-specialized kernel (docs/PERF.md, v7: its epilogue overlaps the
     next tile's token loop; faster than the Triton kernel on every Llama-3.1-8B shape and token count
-    measured, level at 8192 tokens on k/v; v9: with int8 state 5–39 % less time), 128×128 tiles, a 4-buffer
-    TMA ring, 8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it
+    measured, level at 8192 tokens on k/v; v9: with int8 state 5–39 % less time), 128×128 tiles, a
+    `WS_STAGES`-buffer TMA ring, 8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it
     out (activations a TMA descriptor cannot read).
     `hopper`: whether `device` is such a GPU (default: ask it; pass True to plan for one from anywhere).
     Up to `WS_MMA_SLICE_MAX_TOKENS` tokens, where a tile's token loop is much shorter than its update, with
@@ -203,8 +203,8 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
         hopper = _hopper_with_gluon(device)
     if warp_specialize and hopper and N * K >= WS_MIN_ELEMENTS:
         prefetch = stored_bytes <= WS_PREFETCH_MAX_BYTES and not quantized
-        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=4, tma=True,
-                          epilogue_split=4, mma_warps=8, prefetch=prefetch,
+        return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=WS_STAGES,
+                          tma=True, epilogue_split=4, mma_warps=8, prefetch=prefetch,
                           mma_slices=1 if (prefetch or quantized) and T <= WS_MMA_SLICE_MAX_TOKENS else 0)
     if quantized:
         if T <= 4096:
@@ -217,6 +217,10 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
                       epilogue_split=4, maxnreg=128)
 
 
+# the warp-specialized kernel's TMA ring: 5 buffers of 32 KiB beside the 64 KiB dW tile, 224 of the SM's 227 KiB of
+# shared memory (docs/PERF.md, v12e / v13: the MMA warps wait for copies in flight from the L2; one buffer more than
+# v7's 4 cut 2-10 % at 2048 and 8192 tokens, level at 512)
+WS_STAGES = 5
 WS_MIN_ELEMENTS = 2**22  # the warp-specialized kernel from here: 256 tiles of 128×128 for 132 SMs (see fused_config)
 WS_PREFETCH_MAX_BYTES = 6  # the warp-specialized epilogue's prefetch fits its registers up to this (see fused_config)
 WS_MMA_SLICE_MAX_TOKENS = 512  # up to this T, the warp-specialized kernel's MMA warps update a slice of each tile
