@@ -199,12 +199,10 @@ SPLIT_CONFIGS = {q: kernels.TileConfig(32, 64, 128, num_warps=4, num_stages=1, t
 WS_CONFIG = kernels.TileConfig(32, 128, 128, num_warps=4, num_stages=2, tma=True, epilogue_split=4, mma_warps=4)
 # who updates the tiles: the epilogue warps with / without the next slice's prefetch; the MMA warps 1 or 3 of 4
 # slices (at N = 72 the last slice is all rows past N: U = 1 checks the hand-over with two readers, U = 3 the MMA
-# warps' own update; test_default_configs_on_llama_sized_layers runs U = 1 with several tiles per program); and
-# 16-row slices, as up to 512 tokens, the MMA warps updating the last 4 of 8 (rows 64-71 of the 72 theirs)
+# warps' own update; test_default_configs_on_llama_sized_layers runs U = 1 with several tiles per program)
 WS_EPILOGUES = {"ws": WS_CONFIG, "ws-no-prefetch": dataclasses.replace(WS_CONFIG, prefetch=False),
                 "ws-mma-slice": dataclasses.replace(WS_CONFIG, mma_slices=1),
-                "ws-mma-3-slices": dataclasses.replace(WS_CONFIG, mma_slices=3, prefetch=False),
-                "ws-16-row-slices": dataclasses.replace(WS_CONFIG, epilogue_split=8, mma_slices=4)}
+                "ws-mma-3-slices": dataclasses.replace(WS_CONFIG, mma_slices=3, prefetch=False)}
 
 
 def hopper_with_gluon() -> bool:
@@ -402,16 +400,15 @@ def test_default_tile_configs_on_the_h200():
     assert ws.mma_slices == 0  # the epilogue warps update every slice ...
     for T, n, k in ((8192, 14336, 4096), (2048, 128256, 4096), (513, 1024, 4096)):
         assert launch.fused_config(T, n, k, cuda, hopper=True) == ws
-    for T, n, k in ((512, 4096, 4096), (512, 128256, 4096), (1, 1024, 4096)):  # ... the MMA warps 1 of 8 (v8, v13e)
-        assert launch.fused_config(T, n, k, cuda, hopper=True) == \
-            dataclasses.replace(ws, mma_slices=1, epilogue_split=8)
+    for T, n, k in ((512, 4096, 4096), (512, 128256, 4096), (1, 1024, 4096)):  # ... the MMA warps one of 4 (v8)
+        assert launch.fused_config(T, n, k, cuda, hopper=True) == dataclasses.replace(ws, mma_slices=1)
     assert not launch.fused_config(2048, 1024, 2048, cuda, hopper=True).warp_specialized  # 128 tiles: idle SMs
     assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, warp_specialize=False).warp_specialized
     # int8 state (v9): the same kernel without the prefetch (it spills), the MMA warps' slice up to 512 tokens
     assert launch.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=True, stored_bytes=4) == \
         dataclasses.replace(ws, prefetch=False)
     assert launch.fused_config(512, 4096, 4096, cuda, quantized=True, hopper=True, stored_bytes=4) == \
-        dataclasses.replace(ws, prefetch=False, mma_slices=1, epilogue_split=8)
+        dataclasses.replace(ws, prefetch=False, mma_slices=1)
     assert not launch.fused_config(2048, 4096, 4096, cuda, activations=torch.float32, hopper=True).warp_specialized
     # without warp specialization (other GPUs, or no Gluon)
     split = launch.fused_config(2048, 4096, 4096, cuda, hopper=False)
@@ -446,8 +443,7 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
                          (dict(mma_warps=8), "give it tma=True"),
                          (dict(mma_warps=8, tma=True, epilogue_split=4, mma_slices=4), "at least one of the tile"),
                          (dict(mma_registers=104), "apply to the warp-specialized kernel only"),
-                         (dict(mma_slices=1), "apply to the warp-specialized kernel only"),
-                         (dict(epilogue_split=8), "or 8 in the warp-specialized kernel")):
+                         (dict(mma_slices=1), "apply to the warp-specialized kernel only")):
         with pytest.raises(ValueError, match=message):
             kernels.TileConfig(64, 128, 128, **bad)
     with pytest.raises(ValueError, match="128×128 tiles"):
@@ -456,7 +452,6 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
         64, 128, 128, num_warps=8, num_stages=4, tma=True, epilogue_split=4, mma_warps=8, mma_registers=104)
     assert not kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,prefetch=0").prefetch
     assert kernels.TileConfig.parse("64,128,128,8,4,split=4,ws=8,mmaslices=1").mma_slices == 1
-    assert kernels.TileConfig.parse("64,128,128,8,5,split=8,ws=8,mmaslices=1").epilogue_split == 8
     for bad in ("prefetch=7", "mmaslices=x", "slices=1"):
         with pytest.raises(ValueError, match=re.escape("prefetch=0|1 and mmaslices=SLICES")):
             kernels.TileConfig.parse(f"64,128,128,8,4,split=4,ws=8,{bad}")

@@ -40,12 +40,8 @@ CASES += [(name, "fp32", {"momentum": 0.9} if name == "sgd_momentum" else {}, "6
 CASES += [(name, "int8", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,5,split=4,ws=8,prefetch=0",
            "bf16") for name in forge_dsl.builtin_names()]
 CASES += [("adamw", "bf16", {}, "32,128,128,4,2,split=4,ws=4", "bf16")]
-# ... with its MMA warps updating one slice of each tile (NAdam: the most registers), of 8 as up to 512 tokens
-# (bf16 and int8 state), and of 4
-CASES += [(name, "bf16", {}, "64,128,128,8,5,split=8,ws=8,mmaslices=1", "bf16") for name in ("adamw", "nadam")]
-CASES += [(name, "int8", {}, "64,128,128,8,5,split=8,ws=8,mmaslices=1,prefetch=0", "bf16")
-          for name in ("adamw", "nadam")]
-CASES += [("adamw", "bf16", {}, "64,128,128,8,5,split=4,ws=8,mmaslices=1", "bf16")]
+# ... with its MMA warps updating one slice of each tile (NAdam: the most registers)
+CASES += [(name, "bf16", {}, "64,128,128,8,5,split=4,ws=8,mmaslices=1", "bf16") for name in ("adamw", "nadam")]
 CASES += [("adamw", "bf16", {}, "64,64,64,4,4,0,1", "bf16"), ("adamw", "bf16", {}, "64,64,64,4,4", "bf16"),
           ("adamw", "int8", {}, "128,64,64,4,3", "bf16"), ("adamw", "bf16", {}, None, "fp32"),
           ("adamw", "int8", {}, None, "tf32")]

@@ -53,7 +53,7 @@ class TileConfig:
     k_halves: bool = False  # accumulate the tile as two column halves (two dots per token block)
     tma: bool = False  # read the activations with Hopper TMA copies where their layout allows it
     # the epilogue runs on 1, 2 or 4 slices of the tile, one at a time (default: 2 with k_halves, else 1): column
-    # slices in the Triton kernel, row slices in the warp-specialized one (which also takes 8)
+    # slices in the Triton kernel, row slices in the warp-specialized one
     epilogue_split: Optional[int] = None
     maxnreg: Optional[int] = None  # cap on registers per thread (more programs per SM; the rest spills)
     # Warp-specialized kernel (`fused_ws_v<i>`, Hopper GPUs, forge_dsl/kernels/gluon_lib.py) when mma_warps is 4
@@ -70,8 +70,8 @@ class TileConfig:
     def __post_init__(self):
         if self.epilogue_split is None:
             object.__setattr__(self, "epilogue_split", 2 if self.k_halves else 1)
-        if self.epilogue_split not in (1, 2, 4, 8) or (self.epilogue_split == 8 and not self.mma_warps):
-            raise ValueError(f"epilogue_split must be 1, 2 or 4 (or 8 in the warp-specialized kernel), got {self}")
+        if self.epilogue_split not in (1, 2, 4):
+            raise ValueError(f"epilogue_split must be 1, 2 or 4, got {self.epilogue_split}")
         if self.k_halves and self.epilogue_split == 1:
             raise ValueError("k_halves accumulates two column halves: give it epilogue_split=2 or 4")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
@@ -119,8 +119,8 @@ class TileConfig:
     def parse(cls, text: str) -> "TileConfig":
         """'BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,split=S][,maxnreg=R][,ws=M][,mmaregs=R][,prefetch=P]
         [,mmaslices=U]' → a TileConfig; HALVES and TMA are 0 or 1, S 1, 2 or 4 (2 when HALVES is 1 and no split is
-        given; also 8 with ws), R registers per thread, M the warp-specialized kernel's MMA warps (4 or 8; it reads
-        through TMA), P 0 or 1, U the row slices of each tile its MMA warps update.
+        given), R registers per thread, M the warp-specialized kernel's MMA warps (4 or 8; it reads through TMA),
+        P 0 or 1, U the row slices of each tile its MMA warps update.
         '64,128,128,8,3,0,1,split=4,maxnreg=128' → TileConfig(64, 128, 128, num_warps=8, num_stages=3, tma=True,
         epilogue_split=4, maxnreg=128); '64,128,128,8,5,split=4,ws=8' → the warp-specialized default."""
         keywords = {}
@@ -137,7 +137,7 @@ class TileConfig:
                 raise ValueError
         except ValueError:
             raise ValueError("a tile config is five integers BT,BN,BK,WARPS,STAGES, then optionally HALVES and TMA "
-                             "(0 or 1), split=1|2|4|8, maxnreg=REGISTERS, ws=MMA_WARPS, mmaregs=REGISTERS and "
+                             "(0 or 1), split=1|2|4, maxnreg=REGISTERS, ws=MMA_WARPS, mmaregs=REGISTERS and "
                              "prefetch=0|1 and mmaslices=SLICES, "
                              f"got {text!r}") from None
         bt, bn, bk, warps, stages, *rest = values
@@ -166,15 +166,13 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     tiles of 128×128 for 132 SMs): the warp-specialized kernel (docs/PERF.md, v7: its epilogue overlaps the
     next tile's token loop; faster than the Triton kernel on every Llama-3.1-8B shape and token count
     measured, level at 8192 tokens on k/v; v9: with int8 state 5–39 % less time), 128×128 tiles, a
-    `WS_STAGES`-buffer TMA ring, 8 MMA warps and 8 epilogue warps working on 32-row slices.
-    `warp_specialize=False` leaves it out (activations a TMA descriptor cannot read).
+    `WS_STAGES`-buffer TMA ring, 8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it
+    out (activations a TMA descriptor cannot read).
     `hopper`: whether `device` is such a GPU (default: ask it; pass True to plan for one from anywhere).
     Up to `WS_MMA_SLICE_MAX_TOKENS` tokens, where a tile's token loop is much shorter than its update, with
-    the prefetching epilogue or int8 state (as measured), the MMA warps update the last of each tile's
-    row slices themselves, the epilogue warps the others (docs/PERF.md, v8: AdamW with bf16 state
-    0.7-4.4 % faster at 512 tokens on the Llama-3.1-8B layers, slower from 1024; v9: int8 state 10–12 %);
-    the tile is then cut into eight 16-row slices, so that the MMA warps' share (1/8) and the epilogue's
-    (7/8) take about as long (v13e).
+    the prefetching epilogue or int8 state (as measured), the MMA warps update the last of each tile's four
+    row slices themselves, the epilogue warps the other three (docs/PERF.md, v8: AdamW with bf16 state
+    0.7-4.4 % faster at 512 tokens on the Llama-3.1-8B layers, slower from 1024; v9: int8 state 10–12 %).
     Its epilogue prefetches the next slice's weights and state when they take at most
     `WS_PREFETCH_MAX_BYTES` bytes per element (`stored_bytes`, e.g. 6 for bf16 weights and two bf16
     states): 11–15 % faster at 512 tokens with AdamW's bf16 state; with two fp32 states the prefetched
@@ -205,10 +203,9 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
         hopper = _hopper_with_gluon(device)
     if warp_specialize and hopper and N * K >= WS_MIN_ELEMENTS:
         prefetch = stored_bytes <= WS_PREFETCH_MAX_BYTES and not quantized
-        mma_slice = (prefetch or quantized) and T <= WS_MMA_SLICE_MAX_TOKENS
         return TileConfig(block_t=64, block_n=128, block_k=128, group_n=8, num_warps=8, num_stages=WS_STAGES,
-                          tma=True, epilogue_split=8 if mma_slice else 4, mma_warps=8, prefetch=prefetch,
-                          mma_slices=1 if mma_slice else 0)
+                          tma=True, epilogue_split=4, mma_warps=8, prefetch=prefetch,
+                          mma_slices=1 if (prefetch or quantized) and T <= WS_MMA_SLICE_MAX_TOKENS else 0)
     if quantized:
         if T <= 4096:
             return TileConfig(block_t=64, block_n=128, block_k=64, group_n=8, num_warps=8, num_stages=4, tma=True,
