@@ -429,6 +429,7 @@ def plot(results: Results) -> None:
     legend += [plt.Line2D([], [], ls="", marker=m, color="gray", label=f"{k} state") for k, m in markers.items()]
     timing = " (GPU time, CUDA graphs)" if results.data["settings"].get("timing") == "graph" else ""
     fig.suptitle(f"one linear layer's update, bf16 weights — {results.data['device']}{timing}", fontsize=10)
-    fig.legend(handles=legend, loc="outside lower center", ncol=6, fontsize=8)
+    # 7 entries: one row beside two panels, two rows under one (a 7-inch figure cuts a single row off)
+    fig.legend(handles=legend, loc="outside lower center", ncol=7 if cols > 1 else 4, fontsize=8)
     results.save_figure(fig)
     plt.close(fig)
