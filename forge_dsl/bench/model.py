@@ -353,7 +353,8 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
 def table(rows: list[dict]) -> str:
     headers = ["model", "tokens", "ckpt", "method", "loss", "status", "peak GiB", "step ms", "tokens/s",
                "weights GiB", "opt state GiB", "grads GiB", "rest GiB"]
-    body = [[r["model"], f"1×{r['seq']}", "on" if r["checkpointing"] else "off", r["method"], r["loss"],
+    body = [[r["model"], f"1×{r['seq']}", "on" if r["checkpointing"] else "off", r["method"],
+             r.get("loss", "transformers"),  # records from before v3 have no --loss
              r["status"], r.get("peak_gib"), r.get("step_ms"), r.get("tokens_per_s"), r.get("weights_gib"),
              r.get("optimizer_state_gib"), r.get("gradients_gib"), r.get("rest_gib")] for r in rows]
     return format_table(headers, body)
@@ -384,12 +385,14 @@ def plot(results: Results) -> None:
     mem.set_yticks(range(len(rows)), labels, fontsize=7)
     mem.invert_yaxis()
     mem.set_xlabel("peak memory (GiB)")
-    mem.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors[:4]], labels=[p[1] for p in pools],
-               fontsize=7, loc="lower right")
+    # under the panels: inside, the legend covers the bars of the last rows, which reach across the axes
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors[:4]], labels=[p[1] for p in pools],
+               fontsize=7, loc="outside lower center", ncol=4)
     time_ax.set_xlabel("step time (ms)")
     for ax in (mem, time_ax):
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(f"training step, bf16 weights, batch 1, {results.data['settings']['loss']} loss — "
+    loss = results.data["settings"].get("loss", "transformers")  # records from before v3 have no --loss
+    fig.suptitle(f"training step, bf16 weights, batch 1, {loss} loss — "
                  f"{results.data['device']}", fontsize=9)
     results.save_figure(fig)
     plt.close(fig)
