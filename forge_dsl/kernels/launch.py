@@ -166,8 +166,8 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
     tiles of 128×128 for 132 SMs): the warp-specialized kernel (docs/PERF.md, v7: its epilogue overlaps the
     next tile's token loop; faster than the Triton kernel on every Llama-3.1-8B shape and token count
     measured, level at 8192 tokens on k/v; v9: with int8 state 5–39 % less time), 128×128 tiles, a
-    `WS_STAGES`-buffer TMA ring, 8 MMA warps and 8 epilogue warps working on 32-row slices. `warp_specialize=False` leaves it
-    out (activations a TMA descriptor cannot read).
+    `WS_STAGES`-buffer TMA ring, 8 MMA warps and 8 epilogue warps working on 32-row slices.
+    `warp_specialize=False` leaves it out (activations a TMA descriptor cannot read).
     `hopper`: whether `device` is such a GPU (default: ask it; pass True to plan for one from anywhere).
     Up to `WS_MMA_SLICE_MAX_TOKENS` tokens, where a tile's token loop is much shorter than its update, with
     the prefetching epilogue or int8 state (as measured), the MMA warps update the last of each tile's four
@@ -218,8 +218,8 @@ def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool =
 
 
 # the warp-specialized kernel's TMA ring: 5 buffers of 32 KiB beside the 64 KiB dW tile, 224 of the SM's 227 KiB of
-# shared memory (docs/PERF.md, v12e / v13: the MMA warps wait for copies in flight from the L2; one buffer more than
-# v7's 4 cut 2-10 % at 2048 and 8192 tokens, level at 512)
+# shared memory (docs/PERF.md, v12e / v13a: the MMA warps wait for activation copies; one buffer more than v7's 4
+# took 1-4 % off at 2048 tokens on every Llama-3.1-8B shape, level at 512 and 8192)
 WS_STAGES = 5
 WS_MIN_ELEMENTS = 2**22  # the warp-specialized kernel from here: 256 tiles of 128×128 for 132 SMs (see fused_config)
 WS_PREFETCH_MAX_BYTES = 6  # the warp-specialized epilogue's prefetch fits its registers up to this (see fused_config)
