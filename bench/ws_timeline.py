@@ -235,8 +235,9 @@ def launch(x, dy, weight, state, cfg: TileConfig, *, step: int, seed: int, timel
     int64, filled in place."""
     T, K = x.shape
     N = dy.shape[1]
-    _, _, _, names, exports, _ = _variant(forge_dsl.load_spec("adamw"), hypers, step, state)
-    state_args, layouts = _prepare_state(forge_dsl.load_spec("adamw"), names, state, weight)
+    spec = forge_dsl.load_spec("adamw")
+    _, _, _, names, exports, _ = _variant(spec, hypers, step, state)
+    state_args, layouts = _prepare_state(spec, names, state, weight)
     programs, max_tiles = timeline.shape[:2]
     fused_tl[(programs,)](
         descriptor(x, [cfg.block_t, cfg.block_k]), descriptor(dy, [cfg.block_t, cfg.block_n]), weight.view(torch.int16),
