@@ -6,7 +6,8 @@ Builds the model as `forge-bench model` does (random init, bf16), runs 3 warm-up
 `--steps` steps under `torch.profiler` (CUDA activity only) and prints, per method, the wall time per
 step, the summed kernel time per step and the largest kernels (ms per step, calls per step). The
 profiler stretches the wall time of methods that launch more kernels: take step times from
-`forge-bench model`, and the kernel time from here (docs/PERF.md v10b).
+`forge-bench model`, and the kernel time from here (docs/PERF.md v10b). `--host`: cProfile's view of the
+same steps instead (the host functions with the most time of their own, and the wall per step without it).
 """
 
 from __future__ import annotations
@@ -50,6 +51,40 @@ def profile_method(name: str, model_name: str, seq: int, steps: int, top: int) -
     torch.cuda.empty_cache()
 
 
+def host_profile(name: str, model_name: str, seq: int, steps: int, top: int) -> None:
+    """cProfile of `steps` training steps: the wall per step without and with the profiler, and the host
+    functions that take the most time of their own (where a step's host time goes when the GPU waits)."""
+    import cProfile
+    import pstats
+
+    method = bench_model.ALL_METHODS[name]
+    model = bench_model.build_model(model_name, torch.device("cuda"))
+    finish = method.attach(model)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=gen).cuda()
+    for _ in range(3):
+        bench_model.train_step(model, ids, finish, "transformers")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        bench_model.train_step(model, ids, finish, "transformers")
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / steps * 1e3
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        bench_model.train_step(model, ids, finish, "transformers")
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"## {name}, {seq} tokens: wall {wall_ms:.1f} ms/step; under cProfile, per {steps} steps:")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    getattr(finish, "close", lambda: None)()
+    del model, finish
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default="forge-int8,forge-bf16,torch-adamw",
@@ -58,13 +93,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048, help="tokens per step, batch 1 (default 2048)")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
     ap.add_argument("--top", type=int, default=14, help="kernels listed per method (default 14)")
+    ap.add_argument("--host", action="store_true",
+                    help="cProfile the host instead: wall per step and the functions with the most own time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/model_profile.py needs a CUDA device")
     for name in args.methods.split(","):
         if name not in bench_model.ALL_METHODS:
             raise SystemExit(f"unknown method {name!r}: expected one of {', '.join(bench_model.ALL_METHODS)}")
-        profile_method(name, args.model, args.seq, args.steps, args.top)
+        (host_profile if args.host else profile_method)(name, args.model, args.seq, args.steps, args.top)
 
 
 if __name__ == "__main__":

@@ -232,6 +232,45 @@ def test_layouts_warp_specialized(name, layout, epilogue, w_dtype):
     check_layouts(name, epilogue, layout, w_dtype, act=torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("name", SPECS)
+def test_reused_launch_writes_the_checked_bits(name, layout, monkeypatch):
+    """Eight steps through `linear_step` (fresh activations each step, so RAdam's rectification and
+    SGD-momentum's first step switch kernels), reused launches (forge_dsl/kernels/prepared.py) against the
+    checked path on a copy: the same bits in the weight and every state tensor after each step."""
+    from forge_dsl.kernels import prepared
+
+    if not hopper_with_gluon():
+        pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU (Gluon has no interpreter)")
+    if not prepared.enabled():
+        pytest.skip("launches are reused only with the Triton versions in prepared.VERIFIED_TRITON")
+    spec = forge_dsl.load_spec(name)
+    kw = hypers_for(name)
+    w, _, _ = make_problem(21, torch.bfloat16)
+    state = forge_dsl.init_state(spec, w, layout=layout, **kw)
+    w2, state2 = w.clone(), {k: v.clone() for k, v in state.items()}
+    reused = []
+    launch_prepared = prepared.PreparedLaunch.launch
+
+    def counted(self, *args):
+        scalar_updates = launch_prepared(self, *args)
+        reused.append(scalar_updates is not None)
+        return scalar_updates
+
+    monkeypatch.setattr(prepared.PreparedLaunch, "launch", counted)
+    for step in range(1, 9):
+        _, x, dy = make_problem(100 + step, torch.bfloat16)
+        monkeypatch.setattr(prepared, "_ENABLED", True)
+        kernels.linear_step(spec, x, dy, w, state, step=step, seed=3, config=WS_CONFIG, **kw)
+        monkeypatch.setattr(prepared, "_ENABLED", False)
+        kernels.linear_step(spec, x, dy, w2, state2, step=step, seed=3, config=WS_CONFIG, **kw)
+        assert torch.equal(w.view(torch.int16), w2.view(torch.int16)), f"step {step}: weights differ"
+        for k, v in state.items():
+            assert torch.equal(v, state2[k]), f"step {step}: state {k} differs"
+    assert sum(reused) >= 6, reused  # all steps but the first and a switch of kernels
+
+
 def check_layouts(name, fused, layout, w_dtype, act=None):
     spec = forge_dsl.load_spec(name)
     kw = hypers_for(name)
@@ -655,9 +694,13 @@ def test_auto_linear_path():
     # int8 state: the slab path from 2048 tokens, on every layer (v5)
     assert launch.auto_linear_path(2048, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=False) == "slab"
     assert launch.auto_linear_path(2047, big, torch.bfloat16, cuda, quantized=True, hopper=False) == "fused"
-    # int8 state where the warp-specialized kernel runs (v9): the slab path up to 512 tokens, that kernel above
+    # int8 state where the warp-specialized kernel runs (v9): the slab path up to 512 tokens, that kernel above,
+    # unless its launches are reused (v14): then that kernel at every token count
     for tokens, path in ((1, "slab"), (512, "slab"), (513, "fused"), (2048, "fused"), (8192, "fused")):
-        assert launch.auto_linear_path(tokens, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=True) == path
+        assert launch.auto_linear_path(tokens, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=True,
+                                       reused=False) == path
+        assert launch.auto_linear_path(tokens, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=True,
+                                       reused=True) == "fused"
     assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, quantized=True, hopper=True, tma=False) == "slab"
     assert launch.auto_linear_path(8192, 1024 * 2048, torch.bfloat16, cuda, quantized=True, hopper=True) == "slab"
     assert launch.auto_linear_path(1024, 1024 * 2048, torch.bfloat16, cuda, quantized=True, hopper=True) == "fused"

@@ -134,6 +134,19 @@ def _forge(state_dtype: str, linear_path: str = "auto"):
                                                            linear_path=linear_path))
 
 
+def _forge_checked(state_dtype: str):
+    """FORGE with every launch checked (`forge_dsl.kernels.prepared` off): the host path before v14."""
+    def attach(model):
+        from forge_dsl.kernels import prepared
+
+        prepared.set_enabled(False)
+        finish = _forge(state_dtype)(model)
+        finish.close = lambda: prepared.set_enabled(None)
+        return finish
+
+    return attach
+
+
 def _torchao_adamw8bit(model):
     from torchao.optim import AdamW8bit
 
@@ -155,9 +168,10 @@ METHODS = {m.name: m for m in (
     Method("bnb-adamw8bit", _bnb_adamw8bit, needs="bitsandbytes"),
 )}
 # Not in the default list: FORGE with every linear layer's update on one path, to compare the paths
-# that `linear_path="auto"` chooses between.
+# that `linear_path="auto"` chooses between; and FORGE without reused launches, to measure them.
 PATH_METHODS = {m.name: m for m in (
-    Method(f"forge-{state}-{path}", _forge(state, path)) for state in ("bf16", "int8") for path in ("fused", "slab")
+    *(Method(f"forge-{state}-{path}", _forge(state, path)) for state in ("bf16", "int8") for path in ("fused", "slab")),
+    *(Method(f"forge-{state}-checked", _forge_checked(state)) for state in ("bf16", "int8")),
 )}
 ALL_METHODS = {**METHODS, **PATH_METHODS}
 

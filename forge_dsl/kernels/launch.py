@@ -26,6 +26,7 @@ import torch
 from ..api import SpecLike, load_spec
 from ..config import resolve_hypers
 from ..layouts import BLOCK, StateLayout, as_rows, n_blocks
+from . import prepared
 from .compiled import compiled_module
 
 __all__ = ["fused_linear_step", "slab_linear_step", "linear_step", "step", "TileConfig", "mix_seed"]
@@ -345,12 +346,11 @@ def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
     raise ValueError(f"{what} has dtype {t.dtype}; the kernels support float32 and bfloat16")
 
 
-def _variant(spec, hypers: dict, step: int, state):
-    cfg = _resolved_hypers(spec, hypers)
+def _variant(spec, hypers: dict, step: int, state, hypers_key: Any = ...):
+    cfg = _resolved_hypers(spec, hypers, hypers_key)
     module = compiled_module(spec)
     host, fused, fused_ws, elementwise, names = module.VARIANTS[cfg.combo]
-    if isinstance(step, bool) or int(step) != step or step < 1:
-        raise ValueError(f"step must be a positive integer (1 for the first step), got {step!r}")
+    _check_step(step)
     scalars = {s.name: float(state[s.name]) for s in spec.scalars if s.name in state}
     missing = [s.name for s in spec.scalars if s.name not in state]
     if missing:
@@ -359,16 +359,22 @@ def _variant(spec, hypers: dict, step: int, state):
     return fused, fused_ws, elementwise, names, exports, scalar_updates
 
 
+def _check_step(step) -> None:
+    if isinstance(step, bool) or int(step) != step or step < 1:
+        raise ValueError(f"step must be a positive integer (1 for the first step), got {step!r}")
+
+
 _RESOLVED: dict = {}  # (id(spec), keywords) -> (spec, StepConfig): see _resolved_hypers
 _RESOLVED_MAX = 256
 
 
-def _resolved_hypers(spec, hypers: dict):
+def _resolved_hypers(spec, hypers: dict, key: Any = ...):
     """`resolve_hypers(spec, hypers)`, remembered for keywords of plain numbers, bools and tuples of numbers
     (a training loop passes the same ones every step, and resolving them took ~25 % of a call's host time,
     docs/PERF.md v9c); tensors (e.g. a tensor lr, which may change in place) are resolved every time. Only
     successes are remembered, so bad keywords raise on every call. The result is shared: read it only."""
-    key = _hypers_key(hypers)
+    if key is ...:
+        key = _hypers_key(hypers)
     if key is None:
         return resolve_hypers(spec, hypers)
     hit = _RESOLVED.get((id(spec), key))
@@ -460,13 +466,21 @@ def fused_linear_step(
         tf32: use tf32 tensor-core products for float32 activations (default: exact ieee fp32).
         config: tile sizes (default: `fused_config`).
         **hypers: torch-style keywords of the spec.
+
+    A warp-specialized call whose arguments' metadata (shapes, strides, dtypes, devices, 16-byte alignment,
+    state tensors, keywords) repeat a checked call's reuses that call's launch: the checks, the config and
+    Triton's argument binding are skipped (forge_dsl/kernels/prepared.py; a third of the host time).
     """
     spec = load_spec(spec)
+    hypers_key = _hypers_key(hypers)
+    key = _prepared_key(spec, x, dy, weight, state, rounding, tf32, config, hypers_key)
+    if _launch_prepared(key, spec, x, dy, weight, state, step, seed):
+        return
     x2, dy2 = _check_linear(x, dy, weight, rounding)
     N, K = weight.shape
     T = x2.shape[0]
     w_view, w_bf16 = _weight_view(weight, "weight")
-    fused, fused_ws, _, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    fused, fused_ws, _, names, exports, scalar_updates = _variant(spec, hypers, step, state, hypers_key)
     state_args, layouts = _prepare_state(spec, names, state, weight)
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
@@ -479,9 +493,12 @@ def fused_linear_step(
     if cfg.warp_specialized:
         if config is not None:  # fused_config picks it only where it runs
             _check_warp_specialized(fused_ws, x2, weight, tma_ok, cfg)
-        _launch_warp_specialized(fused_ws, cfg, x2, dy2, w_view, w_bf16, state_args, layouts, exports,
-                                 mix_seed(seed, step), rounding)
+        compiled, args, kwargs, programs = _launch_warp_specialized(
+            fused_ws, cfg, x2, dy2, w_view, w_bf16, state_args, layouts, exports, mix_seed(seed, step), rounding)
         _commit_scalars(state, scalar_updates)
+        if hypers_key is not None and prepared.enabled():
+            _prepare(spec, hypers, hypers_key, names, state, layouts, cfg, compiled, fused_ws, args, kwargs,
+                     programs, len(exports), x, dy, weight, rounding, tf32, config)
         return
     dot_fp32 = interpreting() or x.dtype == torch.float32
     precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
@@ -526,8 +543,9 @@ def _check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tm
 
 
 def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, state_args, layouts,
-                             exports, seed: int, rounding: str) -> None:
-    """One launch of `fused_ws_v<i>`: one persistent program per SM (at most one per tile)."""
+                             exports, seed: int, rounding: str):
+    """One launch of `fused_ws_v<i>`: one persistent program per SM (at most one per tile). Returns what
+    `prepared.PreparedLaunch` repeats: (the compiled kernel, the positional and keyword arguments, programs)."""
     from . import gluon_lib
 
     T, K = x2.shape
@@ -535,21 +553,69 @@ def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16:
     x_desc = gluon_lib.descriptor(x2, [cfg.block_t, cfg.block_k])
     dy_desc = gluon_lib.descriptor(dy2, [cfg.block_t, cfg.block_n])
     programs = min(gluon_lib.sm_count(x2.device), triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k))
-    fused_ws[(programs,)](
-        x_desc, dy_desc, w_view, *state_args, *exports, seed, T, N, K, n_blocks(K),
+    args = (x_desc, dy_desc, w_view, *state_args, *exports, seed, T, N, K, n_blocks(K))
+    kwargs = dict(
         W_BF16=w_bf16, STOCHASTIC=rounding_code(rounding, K), **layouts,
         NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages, SLICE_N=cfg.block_n // cfg.epilogue_split,
         EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch, MMA_WARPS=cfg.mma_warps,
         MMA_REGISTERS=cfg.mma_registers, MMA_SLICES=cfg.mma_slices,
-        num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg,
     )
+    compiled = fused_ws[(programs,)](*args, **kwargs, num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg)
+    return compiled, args, kwargs, programs
+
+
+def _prepared_key(spec, x, dy, weight, state, rounding: str, tf32: bool, config, hypers_key) -> Optional[tuple]:
+    """`prepared.call_key` where a launch of (spec, keywords) was prepared before, else None."""
+    state_keys = prepared.lookup_state_keys(spec, hypers_key)
+    if state_keys is None:
+        return None
+    return prepared.call_key(spec, x, dy, weight, state, state_keys, rounding, tf32, config, hypers_key)
+
+
+def _launch_prepared(key, spec, x, dy, weight, state, step, seed, auto: bool = False) -> bool:
+    """Launch the prepared call for `key` (see forge_dsl/kernels/prepared.py); False where there is none,
+    or where `linear_step(path="auto")` (`auto`) would not take the fused kernel for this metadata."""
+    hit = prepared.lookup(key, spec)
+    if hit is None:
+        return False
+    if auto:
+        if hit.auto_path is None:
+            hit.auto_path = _auto_path(x, dy, weight, state)
+        if hit.auto_path != "fused":
+            return False
+    _check_step(step)
+    scalar_updates = hit.launch(x, dy, weight, state, int(step), mix_seed(seed, step))
+    if scalar_updates is None:
+        return False
+    _commit_scalars(state, scalar_updates)
+    return True
+
+
+def _prepare(spec, hypers: dict, hypers_key: tuple, names, state, layouts: dict, cfg: TileConfig, compiled, fused_ws,
+             args: tuple, kwargs: dict, programs: int, n_exports: int, x, dy, weight, rounding: str, tf32: bool,
+             config) -> None:
+    """Remember a checked warp-specialized launch for later calls with the same metadata."""
+    # the state entries in the launch's order: each state's storage, then its scales (itself where unquantized)
+    state_keys = tuple(key for n in names for key in (n, f"{n}.scale" if layouts[f"LAYOUT_{n}"] in _QUANTIZED else n))
+    resolved = _resolved_hypers(spec, hypers, hypers_key)
+    first_export = 3 + len(state_keys)
+    try:
+        launch_plan = prepared.PreparedLaunch(
+            spec, compiled_module(spec).VARIANTS[resolved.combo][0], resolved.hypers,
+            tuple(s.name for s in spec.scalars), state_keys, tuple(range(3, first_export)), compiled, fused_ws,
+            args, kwargs, programs, ([cfg.block_t, cfg.block_k], [cfg.block_t, cfg.block_n]), first_export, n_exports)
+    except (AttributeError, TypeError):  # a Triton whose compiled kernels look otherwise: keep the checked path
+        return
+    key = prepared.call_key(spec, x, dy, weight, state, launch_plan.key_names, rounding, tf32, config, hypers_key)
+    prepared.remember(key, hypers_key, launch_plan)
 
 
 SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA, not on
 # Hopper with Gluon) ...
 SLAB_MIN_ELEMENTS = 2**24  # ... for layers this large (on k/v, 1024 × 4096, two runs disagreed)
 SLAB_MIN_TOKENS_QUANTIZED = 2048  # with int8 state: from here, on every layer (docs/PERF.md, v5) ...
-SLAB_MAX_TOKENS_QUANTIZED_WS = 512  # ... but up to here where the warp-specialized kernel runs (v9)
+SLAB_MAX_TOKENS_QUANTIZED_WS = 512  # ... but up to here where the warp-specialized kernel runs and its launches
+# are not reused (v9, v14)
 SLAB_BYTES = 16 * 2**20  # the slab path's dW workspace: about a third of the H200's L2
 SLAB_BYTES_QUANTIZED = 32 * 2**20  # with int8 state: two thirds of the L2, half the host's launches (PERF.md, v6)
 LINEAR_PATHS = ("auto", "fused", "slab")
@@ -566,28 +632,43 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
     with Gluon, whose warp-specialized fused kernel is level or faster (v7); with int8 state from
     `SLAB_MIN_TOKENS_QUANTIZED` tokens on every layer, where the Triton fused kernel's heavier epilogue
     loses (v5), and where the warp-specialized kernel runs (Hopper, TMA-readable activations, layers of
-    `WS_MIN_ELEMENTS`) up to `SLAB_MAX_TOKENS_QUANTIZED_WS` tokens instead (v9: see `auto_linear_path`);
+    `WS_MIN_ELEMENTS`) up to `SLAB_MAX_TOKENS_QUANTIZED_WS` tokens instead where its launches are not reused
+    (v9, v14: see `auto_linear_path`);
     the fused kernel otherwise. The slab's dW is rounded to bf16, as autograd's is, and float32 products
     there follow torch's matmul precision instead of `tf32`; the fused kernel keeps dW in fp32. "fused" /
     "slab" force one. `config` goes to the fused kernel, `slab_bytes` to the slab path (default: by state
-    layout, see `slab_linear_step`); other arguments as for `fused_linear_step`.
+    layout, see `slab_linear_step`); other arguments as for `fused_linear_step`, whose reused launches
+    skip the path decision too.
     """
     if path not in LINEAR_PATHS:
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
+    if path != "slab" and "step" in kwargs:  # a call prepared before: no checks, no path decision
+        spec = load_spec(spec)
+        hypers = dict(kwargs)
+        step_, seed = hypers.pop("step"), hypers.pop("seed", 0)
+        rounding = hypers.pop("rounding", "stochastic")
+        key = _prepared_key(spec, x, dy, weight, state, rounding, tf32, config, _hypers_key(hypers))
+        if _launch_prepared(key, spec, x, dy, weight, state, step_, seed, auto=path == "auto"):
+            return
     if path == "auto":
-        tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        quantized = any(_LAYOUT_OF_DTYPE.get(t.dtype) in _QUANTIZED for t in state.values()
-                        if isinstance(t, torch.Tensor))
-        tma = all(_tma_readable(t) for t in (x, dy))
-        path = auto_linear_path(tokens, weight.numel(), x.dtype, weight.device, quantized, tma=tma)
+        path = _auto_path(x, dy, weight, state)
     if path == "slab":
         slab_linear_step(spec, x, dy, weight, state, slab_bytes=slab_bytes, **kwargs)
     else:
         fused_linear_step(spec, x, dy, weight, state, tf32=tf32, config=config, **kwargs)
 
 
+def _auto_path(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state) -> str:
+    """`auto_linear_path` of one `linear_step` call's arguments."""
+    tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    quantized = any(_LAYOUT_OF_DTYPE.get(t.dtype) in _QUANTIZED for t in state.values() if isinstance(t, torch.Tensor))
+    tma = all(_tma_readable(t) for t in (x, dy))
+    return auto_linear_path(tokens, weight.numel(), x.dtype, weight.device, quantized, tma=tma)
+
+
 def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: torch.device,
-                     quantized: bool = False, hopper: Optional[bool] = None, tma: bool = True) -> str:
+                     quantized: bool = False, hopper: Optional[bool] = None, tma: bool = True,
+                     reused: Optional[bool] = None) -> str:
     """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`,
     a weight of `elements` elements and int8 / uint8 state (`quantized`) or not. `hopper`: whether the
     device runs the warp-specialized fused kernel (default: ask it), which is level with the slab path or
@@ -597,14 +678,19 @@ def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: tor
     path up to there (v9, Llama-3.1-8B: at 512 tokens the slab path takes 6–10 % less GPU time per layer and
     its steps are 5 % faster, in two runs; at 1024 it still takes 7–14 % less GPU time, but the fused
     kernel's steps were 25 % faster in one run, with a launch per layer instead of a cuBLAS GEMM and a step
-    kernel per slab; at 2048 they are level in GPU time and the fused kernel's steps 6 % faster)."""
+    kernel per slab; at 2048 they are level in GPU time and the fused kernel's steps 6 % faster) — unless
+    its launches are reused (`reused`, default: `prepared.enabled()`), which takes it at every token count
+    (v14: Llama-3.1-8B steps at 1 × 512 tokens 25–32 % faster than with the slab path, in two runs: the
+    host, not the GPU, sets a step's time there, and a reused launch costs a third of a checked one)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return "fused"
     if hopper is None:
         hopper = _hopper_with_gluon(device)
     if quantized:
         if hopper and tma and elements >= WS_MIN_ELEMENTS:
-            return "slab" if tokens <= SLAB_MAX_TOKENS_QUANTIZED_WS else "fused"
+            if reused is None:
+                reused = prepared.enabled()
+            return "slab" if tokens <= SLAB_MAX_TOKENS_QUANTIZED_WS and not reused else "fused"
         return "slab" if tokens >= SLAB_MIN_TOKENS_QUANTIZED else "fused"
     if hopper and tma:
         return "fused"
