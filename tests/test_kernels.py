@@ -261,14 +261,40 @@ def test_reused_launch_writes_the_checked_bits(name, layout, monkeypatch):
     monkeypatch.setattr(prepared.PreparedLaunch, "launch", counted)
     for step in range(1, 9):
         _, x, dy = make_problem(100 + step, torch.bfloat16)
-        monkeypatch.setattr(prepared, "_ENABLED", True)
+        monkeypatch.setattr(prepared, "_SUPPORTED", True)
         kernels.linear_step(spec, x, dy, w, state, step=step, seed=3, config=WS_CONFIG, **kw)
-        monkeypatch.setattr(prepared, "_ENABLED", False)
+        monkeypatch.setattr(prepared, "_SUPPORTED", False)
         kernels.linear_step(spec, x, dy, w2, state2, step=step, seed=3, config=WS_CONFIG, **kw)
         assert torch.equal(w.view(torch.int16), w2.view(torch.int16)), f"step {step}: weights differ"
         for k, v in state.items():
             assert torch.equal(v, state2[k]), f"step {step}: state {k} differs"
     assert sum(reused) >= 6, reused  # all steps but the first and a switch of kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bf16", "int8"])
+def test_a_layer_on_another_gpu_than_the_current_one(layout):
+    """A layer on cuda:1 while cuda:0 is current (a model split over GPUs): its checked launch, the reused
+    ones after it and `step` run on the layer's GPU and write what the same calls write with cuda:1 current."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    spec = forge_dsl.load_spec("adamw")
+    w, x, dy = (t.to("cuda:1") for t in make_problem(31, torch.bfloat16))
+    state = forge_dsl.init_state(spec, w, layout=layout)
+    w2, state2 = w.clone(), {k: v.clone() for k, v in state.items()}
+    config = WS_CONFIG if hopper_with_gluon() else None
+    for step in range(1, 4):
+        assert torch.cuda.current_device() == 0
+        kernels.linear_step(spec, x, dy, w, state, step=step, seed=5, config=config, lr=1e-2)
+        with torch.cuda.device(1):
+            kernels.linear_step(spec, x, dy, w2, state2, step=step, seed=5, config=config, lr=1e-2)
+        assert torch.equal(w.view(torch.int16), w2.view(torch.int16)), f"step {step}"
+        assert all(torch.equal(v, state2[k]) for k, v in state.items()), f"step {step}"
+    g = torch.randn(w.shape, device="cuda:1")
+    kernels.step(spec, w, g, state, step=4, lr=1e-2)
+    with torch.cuda.device(1):
+        kernels.step(spec, w2, g, state2, step=4, lr=1e-2)
+    assert torch.equal(w.view(torch.int16), w2.view(torch.int16))
 
 
 def check_layouts(name, fused, layout, w_dtype, act=None):

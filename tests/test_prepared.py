@@ -10,6 +10,8 @@ test_reused_launch_writes_the_checked_bits.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -37,9 +39,10 @@ class _Recorder:
         self.calls: list[tuple[str, tuple]] = []
 
     def jit_run(self, fn, args, kwargs):
-        names = fn.arg_names
-        bound = list(args) + [kwargs[name] for name in names[len(args):]]
-        self.calls.append(("run", (kwargs["grid"][0],) + tuple(_value(v) for v in bound)))
+        grid = kwargs.pop("grid")
+        # what Triton's binder does: the Python signature's binding, every parameter in order
+        bound = inspect.signature(fn.fn).bind(*args, **kwargs).arguments.values()
+        self.calls.append(("run", (grid[0],) + tuple(_value(v) for v in bound)))
         recorder = self
 
         class Compiled:
@@ -57,17 +60,17 @@ class _Recorder:
 @pytest.fixture
 def recorder(monkeypatch):
     rec = _Recorder()
-    monkeypatch.setattr(prepared, "_ENABLED", True)
+    monkeypatch.setattr(prepared, "_SUPPORTED", True)
     monkeypatch.setattr(prepared, "_ENTRIES", {})
-    monkeypatch.setattr(prepared, "_STATE_KEYS", {})
     monkeypatch.setattr(prepared, "current_stream", lambda device: 0)
     monkeypatch.setattr(launch, "_check_warp_specialized", lambda *args: None)
+    monkeypatch.setattr(launch, "_hopper_with_gluon", lambda device: True)
     monkeypatch.setattr(gluon_lib, "sm_count", lambda device: 132)
     monkeypatch.setattr(gluon_lib, "descriptor",
                         lambda t, block: ("descriptor", t.data_ptr(), tuple(t.shape), t.stride(), tuple(block)))
     fused_ws = _variant_kernel("adamw")
-    monkeypatch.setattr(type(fused_ws), "run",
-                        lambda self, *args, grid, warmup, **kwargs: rec.jit_run(self, args, {**kwargs, "grid": grid}))
+    monkeypatch.setattr(type(fused_ws), "run", lambda self, *args, grid, warmup, **kwargs: rec.jit_run(
+        self, args, {**{k: v for k, v in kwargs.items() if k not in ("num_warps", "maxnreg")}, "grid": grid}))
     return rec
 
 
@@ -125,9 +128,9 @@ def test_reused_launch_passes_what_the_checked_path_binds(recorder, monkeypatch,
         reused = recorder.calls.pop()
         after = _scalars(state)
         state.update(before)
-        monkeypatch.setattr(prepared, "_ENABLED", False)
+        monkeypatch.setattr(prepared, "_SUPPORTED", False)
         call(spec, x, dy, w, state, step=step, seed=step * 7, config=WS_CONFIG, **_hypers(name))
-        monkeypatch.setattr(prepared, "_ENABLED", True)
+        monkeypatch.setattr(prepared, "_SUPPORTED", True)
         checked = recorder.calls.pop()
         assert checked[0] == "run"
         assert reused[0] == ("run" if new_kind else "launcher"), f"step {step}"
@@ -160,8 +163,8 @@ def test_changed_metadata_takes_the_checked_path(recorder):
     flat = torch.empty(T * K + 1, dtype=torch.bfloat16)
     shifted = flat[1:].view(T, K).copy_(x)  # 2 bytes past a 16-byte boundary
     assert kinds(x=shifted) == "run"
-    assert kinds(lr=2e-2) == "run"
-    assert kinds(lr=1) == "run"  # an int keyword resolves on the checked path, not as the float's key
+    assert kinds(lr=2e-2) == "launcher"  # a schedule's next value: the same variant, reused
+    assert kinds(maximize=True) == "run"  # another variant
     assert kinds(rounding="nearest") == "run"
     assert kinds(config=None) is None  # the CPU's default config: the Triton kernel, in the interpreter
     fp32_state = forge_dsl.init_state(spec, w, layout="fp32")
@@ -170,6 +173,10 @@ def test_changed_metadata_takes_the_checked_path(recorder):
         kinds(step=0)
     with pytest.raises(ValueError, match="rounding must be one of"):
         kinds(rounding="up")
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        kinds(rounding=["nearest"])  # unhashable: no key, the checked path's error
+    with pytest.raises(ValueError, match="lr"):
+        kinds(lr=-1.0)  # refused on every call, reused or not
     del state["exp_avg"]
     with pytest.raises(ValueError, match="state has no 'exp_avg'"):
         kinds()
@@ -211,9 +218,9 @@ def test_reuse_is_off_for_unverified_triton_and_with_launch_hooks(monkeypatch):
     import triton
     from triton import knobs
 
-    monkeypatch.setattr(prepared, "_ENABLED", None)
+    monkeypatch.setattr(prepared, "_SUPPORTED", None)
     assert prepared.enabled() == triton.__version__.startswith(prepared.VERIFIED_TRITON)
-    monkeypatch.setattr(prepared, "_ENABLED", True)
+    monkeypatch.setattr(prepared, "_SUPPORTED", True)
     assert prepared.enabled()
     hook = knobs.runtime.launch_enter_hook
     if hasattr(hook, "add"):  # a chain of hooks (Triton ≥ 3.5)
@@ -226,3 +233,52 @@ def test_reuse_is_off_for_unverified_triton_and_with_launch_hooks(monkeypatch):
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", print)
         assert not prepared.enabled()
     assert prepared.enabled()
+
+
+def test_a_learning_rate_schedule_and_alternating_layers_reuse_their_launches(recorder, monkeypatch):
+    """A learning rate that changes every step (a scheduler) and two layers of different state layouts
+    under the same keywords, alternating: after each layer's first call every launch is reused, with the
+    arguments the checked path binds (the new rate's host scalars among them), and one entry per layer."""
+    spec = forge_dsl.load_spec("adamw")
+    layers = [_problem(torch.bfloat16, "int8", "adamw", seed=1), _problem(torch.bfloat16, "bf16", "adamw", seed=2)]
+    for step in range(1, 6):
+        lr = 1e-2 * 0.5 ** step
+        for w, state in layers:
+            x, dy = _activations(step)
+            kernels.linear_step(spec, x, dy, w, state, step=step, lr=lr, config=WS_CONFIG)
+            reused = recorder.calls.pop()
+            monkeypatch.setattr(prepared, "_SUPPORTED", False)
+            kernels.linear_step(spec, x, dy, w, state, step=step, lr=lr, config=WS_CONFIG)
+            monkeypatch.setattr(prepared, "_SUPPORTED", True)
+            checked = recorder.calls.pop()
+            assert reused == (("run" if step == 1 else "launcher"), checked[1]), f"step {step}"
+    assert prepared.entries() == 2
+
+
+def test_auto_path_away_from_the_fused_kernel_is_not_reused(recorder, monkeypatch):
+    """A prepared launch serves `linear_step(path="auto")` only where auto picks the fused kernel for that
+    metadata; where it picks the slab path, the slab path runs."""
+    spec = forge_dsl.load_spec("adamw")
+    w, state = _problem(torch.bfloat16, "bf16", "adamw")
+    x, dy = _activations(1)
+    kernels.linear_step(spec, x, dy, w, state, step=1, lr=1e-2, config=WS_CONFIG, path="fused")
+    slabs = []
+    monkeypatch.setattr(launch, "_auto_path", lambda *args: "slab")
+    monkeypatch.setattr(launch, "slab_linear_step", lambda *args, **kwargs: slabs.append(kwargs["step"]))
+    kernels.linear_step(spec, x, dy, w, state, step=2, lr=1e-2, config=WS_CONFIG)
+    assert slabs == [2] and [kind for kind, _ in recorder.calls] == ["run"]
+    kernels.linear_step(spec, x, dy, w, state, step=3, lr=1e-2, config=WS_CONFIG, path="fused")
+    assert recorder.calls[-1][0] == "launcher"
+
+
+def test_reuse_is_off_with_triton_debug_or_instrumentation(monkeypatch):
+    """`JITFunction.run` compiles another kernel under Triton's debug mode or instrumentation: no reuse then."""
+    from triton import knobs
+
+    monkeypatch.setattr(prepared, "_SUPPORTED", True)
+    assert prepared.enabled()
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    assert not prepared.enabled()
+    monkeypatch.setattr(knobs.runtime, "debug", False)
+    monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "consan")
+    assert not prepared.enabled()

@@ -15,6 +15,7 @@ Triton interpreter (`TRITON_INTERPRET=1` must be set before triton is imported).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -39,6 +40,8 @@ _LAYOUT_OF_DTYPE = {
 }
 _QUANTIZED = (StateLayout.INT8, StateLayout.UINT8_SQRT)  # block-quantized layouts: codes plus per-block scales
 _ROUNDINGS = ("stochastic", "nearest")
+DEFAULT_SEED = 0  # fused_linear_step's defaults, which linear_step's reused launches apply too
+DEFAULT_ROUNDING = "stochastic"
 
 
 @dataclass(frozen=True)
@@ -346,8 +349,8 @@ def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
     raise ValueError(f"{what} has dtype {t.dtype}; the kernels support float32 and bfloat16")
 
 
-def _variant(spec, hypers: dict, step: int, state, hypers_key: Any = ...):
-    cfg = _resolved_hypers(spec, hypers, hypers_key)
+def _variant(spec, hypers: dict, step: int, state):
+    cfg = _resolved_hypers(spec, hypers)
     module = compiled_module(spec)
     host, fused, fused_ws, elementwise, names = module.VARIANTS[cfg.combo]
     _check_step(step)
@@ -368,13 +371,12 @@ _RESOLVED: dict = {}  # (id(spec), keywords) -> (spec, StepConfig): see _resolve
 _RESOLVED_MAX = 256
 
 
-def _resolved_hypers(spec, hypers: dict, key: Any = ...):
+def _resolved_hypers(spec, hypers: dict):
     """`resolve_hypers(spec, hypers)`, remembered for keywords of plain numbers, bools and tuples of numbers
     (a training loop passes the same ones every step, and resolving them took ~25 % of a call's host time,
     docs/PERF.md v9c); tensors (e.g. a tensor lr, which may change in place) are resolved every time. Only
     successes are remembered, so bad keywords raise on every call. The result is shared: read it only."""
-    if key is ...:
-        key = _hypers_key(hypers)
+    key = _hypers_key(hypers)
     if key is None:
         return resolve_hypers(spec, hypers)
     hit = _RESOLVED.get((id(spec), key))
@@ -446,8 +448,8 @@ def fused_linear_step(
     state: MutableMapping[str, torch.Tensor],
     *,
     step: int,
-    seed: int = 0,
-    rounding: str = "stochastic",
+    seed: int = DEFAULT_SEED,
+    rounding: str = DEFAULT_ROUNDING,
     tf32: bool = False,
     config: Optional[TileConfig] = None,
     **hypers: Any,
@@ -472,15 +474,21 @@ def fused_linear_step(
     Triton's argument binding are skipped (forge_dsl/kernels/prepared.py; a third of the host time).
     """
     spec = load_spec(spec)
-    hypers_key = _hypers_key(hypers)
-    key = _prepared_key(spec, x, dy, weight, state, rounding, tf32, config, hypers_key)
-    if _launch_prepared(key, spec, x, dy, weight, state, step, seed):
+    reuse = _reuse_key(spec, hypers, x, dy, weight, state, rounding, tf32, config)
+    if reuse is not None and _launch_prepared(reuse, x, dy, weight, state, step, seed):
         return
+    with _device_guard(weight):
+        _fused_linear_step_checked(spec, x, dy, weight, state, step, seed, rounding, tf32, config, hypers, reuse)
+
+
+def _fused_linear_step_checked(spec, x, dy, weight, state, step, seed, rounding: str, tf32: bool,
+                               config: Optional[TileConfig], hypers: dict, reuse: Optional[tuple]) -> None:
+    """`fused_linear_step` with every check; a warp-specialized launch is remembered under `reuse`'s key."""
     x2, dy2 = _check_linear(x, dy, weight, rounding)
     N, K = weight.shape
     T = x2.shape[0]
     w_view, w_bf16 = _weight_view(weight, "weight")
-    fused, fused_ws, _, names, exports, scalar_updates = _variant(spec, hypers, step, state, hypers_key)
+    fused, fused_ws, _, names, exports, scalar_updates = _variant(spec, hypers, step, state)
     state_args, layouts = _prepare_state(spec, names, state, weight)
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
@@ -496,9 +504,8 @@ def fused_linear_step(
         compiled, args, kwargs, programs = _launch_warp_specialized(
             fused_ws, cfg, x2, dy2, w_view, w_bf16, state_args, layouts, exports, mix_seed(seed, step), rounding)
         _commit_scalars(state, scalar_updates)
-        if hypers_key is not None and prepared.enabled():
-            _prepare(spec, hypers, hypers_key, names, state, layouts, cfg, compiled, fused_ws, args, kwargs,
-                     programs, len(exports), x, dy, weight, rounding, tf32, config)
+        if reuse is not None:
+            _prepare(reuse, spec, names, state, cfg, fused_ws, compiled, args, kwargs, programs)
         return
     dot_fp32 = interpreting() or x.dtype == torch.float32
     precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
@@ -564,17 +571,42 @@ def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16:
     return compiled, args, kwargs, programs
 
 
-def _prepared_key(spec, x, dy, weight, state, rounding: str, tf32: bool, config, hypers_key) -> Optional[tuple]:
-    """`prepared.call_key` where a launch of (spec, keywords) was prepared before, else None."""
-    state_keys = prepared.lookup_state_keys(spec, hypers_key)
-    if state_keys is None:
+def _device_guard(t):
+    """Triton launches on the current CUDA device: a context that makes it the CUDA tensor `t`'s where it is
+    not (a layer on another GPU than the current one), else nothing."""
+    device = getattr(t, "device", None)
+    if device is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _reuse_key(spec, hypers: dict, x, dy, weight, state, rounding, tf32, config) -> Optional[tuple]:
+    """(key, resolved keywords, spec) of a call that can reuse a prepared warp-specialized launch
+    (forge_dsl/kernels/prepared.py), or None: reuse off, not a Hopper GPU, a layer below the warp-specialized
+    kernel's size under the default config, or keywords the checked path must refuse (it raises, in its own
+    order)."""
+    if (not prepared.enabled() or not isinstance(weight, torch.Tensor) or not _hopper_with_gluon(weight.device)
+            or (config is None and weight.numel() < WS_MIN_ELEMENTS)):
         return None
-    return prepared.call_key(spec, x, dy, weight, state, state_keys, rounding, tf32, config, hypers_key)
+    try:
+        resolved = _resolved_hypers(spec, hypers)
+    except (ValueError, TypeError):
+        return None
+    module = compiled_module(spec)
+    names = module.VARIANTS[resolved.combo][4]
+    key = prepared.call_key(spec, resolved.combo, names, _scalar_names(spec), x, dy, weight, state, rounding, tf32,
+                            config)
+    return None if key is None else (key, resolved, spec)
 
 
-def _launch_prepared(key, spec, x, dy, weight, state, step, seed, auto: bool = False) -> bool:
-    """Launch the prepared call for `key` (see forge_dsl/kernels/prepared.py); False where there is none,
-    or where `linear_step(path="auto")` (`auto`) would not take the fused kernel for this metadata."""
+def _scalar_names(spec) -> tuple[str, ...]:
+    return tuple(s.name for s in spec.scalars)
+
+
+def _launch_prepared(reuse: tuple, x, dy, weight, state, step, seed, auto: bool = False) -> bool:
+    """Launch the call prepared under `reuse`'s key; False where there is none, or where `linear_step(path=
+    "auto")` (`auto`) would not take the fused kernel for this metadata, or the entry cannot launch this step."""
+    key, resolved, spec = reuse
     hit = prepared.lookup(key, spec)
     if hit is None:
         return False
@@ -584,30 +616,26 @@ def _launch_prepared(key, spec, x, dy, weight, state, step, seed, auto: bool = F
         if hit.auto_path != "fused":
             return False
     _check_step(step)
-    scalar_updates = hit.launch(x, dy, weight, state, int(step), mix_seed(seed, step))
+    with _device_guard(weight):
+        scalar_updates = hit.launch(x, dy, weight, state, resolved.hypers, int(step), mix_seed(seed, step))
     if scalar_updates is None:
         return False
     _commit_scalars(state, scalar_updates)
     return True
 
 
-def _prepare(spec, hypers: dict, hypers_key: tuple, names, state, layouts: dict, cfg: TileConfig, compiled, fused_ws,
-             args: tuple, kwargs: dict, programs: int, n_exports: int, x, dy, weight, rounding: str, tf32: bool,
-             config) -> None:
-    """Remember a checked warp-specialized launch for later calls with the same metadata."""
-    # the state entries in the launch's order: each state's storage, then its scales (itself where unquantized)
-    state_keys = tuple(key for n in names for key in (n, f"{n}.scale" if layouts[f"LAYOUT_{n}"] in _QUANTIZED else n))
-    resolved = _resolved_hypers(spec, hypers, hypers_key)
-    first_export = 3 + len(state_keys)
+def _prepare(reuse: tuple, spec, names: tuple[str, ...], state, cfg: TileConfig, fused_ws, compiled, args: tuple,
+             kwargs: dict, programs: int) -> None:
+    """Remember a checked warp-specialized launch under `reuse`'s key for later calls with the same metadata."""
+    key, resolved, _ = reuse
+    host = compiled_module(spec).VARIANTS[resolved.combo][0]
     try:
-        launch_plan = prepared.PreparedLaunch(
-            spec, compiled_module(spec).VARIANTS[resolved.combo][0], resolved.hypers,
-            tuple(s.name for s in spec.scalars), state_keys, tuple(range(3, first_export)), compiled, fused_ws,
-            args, kwargs, programs, ([cfg.block_t, cfg.block_k], [cfg.block_t, cfg.block_n]), first_export, n_exports)
-    except (AttributeError, TypeError):  # a Triton whose compiled kernels look otherwise: keep the checked path
+        entry = prepared.PreparedLaunch(spec, host, prepared.state_entries(names, state), _scalar_names(spec),
+                                        fused_ws, compiled, args, kwargs, programs,
+                                        ([cfg.block_t, cfg.block_k], [cfg.block_t, cfg.block_n]))
+    except prepared.NotReusable:  # every call of this layer stays checked
         return
-    key = prepared.call_key(spec, x, dy, weight, state, launch_plan.key_names, rounding, tf32, config, hypers_key)
-    prepared.remember(key, hypers_key, launch_plan)
+    prepared.remember(key, entry)
 
 
 SLAB_MIN_TOKENS = 4097  # `linear_step` takes the slab path from here (bf16 activations on CUDA, not on
@@ -642,13 +670,13 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
     """
     if path not in LINEAR_PATHS:
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
-    if path != "slab" and "step" in kwargs:  # a call prepared before: no checks, no path decision
+    if path != "slab" and "step" in kwargs and prepared.entries():  # a call prepared before: no checks, no path
         spec = load_spec(spec)
         hypers = dict(kwargs)
-        step_, seed = hypers.pop("step"), hypers.pop("seed", 0)
-        rounding = hypers.pop("rounding", "stochastic")
-        key = _prepared_key(spec, x, dy, weight, state, rounding, tf32, config, _hypers_key(hypers))
-        if _launch_prepared(key, spec, x, dy, weight, state, step_, seed, auto=path == "auto"):
+        step_, seed = hypers.pop("step"), hypers.pop("seed", DEFAULT_SEED)
+        rounding = hypers.pop("rounding", DEFAULT_ROUNDING)
+        reuse = _reuse_key(spec, hypers, x, dy, weight, state, rounding, tf32, config)
+        if reuse is not None and _launch_prepared(reuse, x, dy, weight, state, step_, seed, auto=path == "auto"):
             return
     if path == "auto":
         path = _auto_path(x, dy, weight, state)
@@ -679,7 +707,7 @@ def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: tor
     its steps are 5 % faster, in two runs; at 1024 it still takes 7–14 % less GPU time, but the fused
     kernel's steps were 25 % faster in one run, with a launch per layer instead of a cuBLAS GEMM and a step
     kernel per slab; at 2048 they are level in GPU time and the fused kernel's steps 6 % faster) — unless
-    its launches are reused (`reused`, default: `prepared.enabled()`), which takes it at every token count
+    its launches are reused (`reused`, default: `prepared.supported()`), which takes it at every token count
     (v14: Llama-3.1-8B steps at 1 × 512 tokens 25–32 % faster than with the slab path, in two runs: the
     host, not the GPU, sets a step's time there, and a reused launch costs a third of a checked one)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
@@ -689,7 +717,7 @@ def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: tor
     if quantized:
         if hopper and tma and elements >= WS_MIN_ELEMENTS:
             if reused is None:
-                reused = prepared.enabled()
+                reused = prepared.supported()
             return "slab" if tokens <= SLAB_MAX_TOKENS_QUANTIZED_WS and not reused else "fused"
         return "slab" if tokens >= SLAB_MIN_TOKENS_QUANTIZED else "fused"
     if hopper and tma:
@@ -835,12 +863,13 @@ def _launch_elementwise(elementwise, param: torch.Tensor, grad: torch.Tensor, st
     p_view, p_bf16 = _weight_view(param, "param")
     g_view, g_bf16 = _weight_view(grad, "grad")
     block_n, block_k, num_warps = step_config(rows, cols, param.device)
-    elementwise[(triton_cdiv(rows, block_n), triton_cdiv(cols, block_k))](
-        p_view, g_view, *state_args, *exports,
-        key, rows, cols, n_blocks(cols),
-        W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding_code(rounding, cols), **layouts,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-    )
+    with _device_guard(param):
+        elementwise[(triton_cdiv(rows, block_n), triton_cdiv(cols, block_k))](
+            p_view, g_view, *state_args, *exports,
+            key, rows, cols, n_blocks(cols),
+            W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding_code(rounding, cols), **layouts,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        )
 
 
 def rounding_code(rounding: str, n_cols: int) -> int:
