@@ -62,11 +62,15 @@ def enabled() -> bool:
         return False
     from triton import knobs
 
+    runtime = knobs.runtime
+    return (_no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook) and not runtime.debug
+            and not knobs.compilation.instrumentation_mode)
+
+
+def _no_hook(hook) -> bool:
     # Triton 3.6 keeps each hook as a chain of callables, empty unless a profiler added one; a launch through
     # `JITFunction.run` calls the chains, these launches pass none
-    return (all(hook is None or not getattr(hook, "calls", True)
-                for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
-            and not knobs.runtime.debug and not knobs.compilation.instrumentation_mode)
+    return hook is None or not getattr(hook, "calls", True)
 
 
 def set_enabled(on: Optional[bool]) -> None:
@@ -103,26 +107,31 @@ def call_key(spec, combo: tuple, names: tuple[str, ...], scalar_names: tuple[str
              rounding, tf32, config) -> Optional[tuple]:
     """The metadata of one `fused_linear_step` call of `spec`'s variant `combo` (which reads the states `names`
     and the scalar states `scalar_names`), or None where the call cannot be reused: arguments that are not
-    tensors, a state without an entry the variant reads, an unhashable argument. The checked path then
-    runs, and raises what it must."""
+    tensors, a state without an entry the variant reads. The checked path then runs, and raises what it
+    must (`lookup` also sends unhashable arguments there)."""
     try:
-        states = tuple((key, _meta(state[key])) for key in state_entries(names, state))
-        scalars = tuple((name, _meta(state[name])) for name in scalar_names)
-        key = (id(spec), combo, rounding, bool(tf32), config, _meta(x), _meta(dy), _meta(weight), states, scalars)
-        hash(key)
+        states = []
+        for name in names:
+            t = state[name]
+            states.append(_meta(t))
+            if t.dtype in _QUANTIZED_DTYPES:
+                states.append(_meta(state[f"{name}.scale"]))
+        for name in scalar_names:
+            states.append(_meta(state[name]))
+        return (id(spec), combo, rounding, bool(tf32), config, _meta(x), _meta(dy), _meta(weight), tuple(states))
     except (KeyError, AttributeError, TypeError):
         return None
-    return key
 
 
 def lookup(key: Optional[tuple], spec) -> Optional["PreparedLaunch"]:
-    """The launch prepared for `key`, if any (and if reused launches are on)."""
+    """The launch prepared for `key`, if any (`call_key` is for callers that checked `enabled()`)."""
     if key is None or not _ENTRIES:
         return None
-    hit = _ENTRIES.get(key)
-    if hit is None or hit.spec is not spec or not enabled():
+    try:
+        hit = _ENTRIES.get(key)
+    except TypeError:  # an unhashable argument (e.g. a list for `rounding`): the checked path says what is wrong
         return None
-    return hit
+    return hit if hit is not None and hit.spec is spec else None
 
 
 def remember(key: tuple, prepared: "PreparedLaunch") -> None:
@@ -177,6 +186,9 @@ class PreparedLaunch:
     def __init__(self, spec, host: Callable, state_keys: tuple[str, ...], scalar_names: tuple[str, ...],
                  fused_ws, compiled, args: tuple, kwargs: dict, programs: int,
                  block_shapes: tuple[list[int], list[int]]) -> None:
+        from . import gluon_lib  # triton is imported on first launch, not with the package
+
+        self._gluon_lib = gluon_lib
         self.spec = spec
         self.host = host
         self.state_keys = state_keys
@@ -210,16 +222,15 @@ class PreparedLaunch:
         call's seed and step). Returns the scalar state's new values for the caller to commit, or None
         (nothing launched) where this step's host scalars need a kernel not compiled for this entry yet,
         or where a pre-run hook was set on the kernel since."""
-        from . import gluon_lib
-
         exports, scalar_updates = self.host(hypers, step, {name: float(state[name]) for name in self.scalar_names})
         kernel = self.kernels.get(exports_signature(exports))
         if kernel is None or self.fused_ws.pre_run_hooks:
             return None
         launcher, function, packed_metadata = kernel
         args = self._template.copy()
-        args[0] = gluon_lib.descriptor(x.reshape(-1, self._K), self._x_block)
-        args[1] = gluon_lib.descriptor(dy.reshape(-1, self._N), self._dy_block)
+        descriptor = self._gluon_lib.descriptor
+        args[0] = descriptor(x if x.dim() == 2 else x.reshape(-1, self._K), self._x_block)
+        args[1] = descriptor(dy if dy.dim() == 2 else dy.reshape(-1, self._N), self._dy_block)
         args[2] = weight  # the launcher reads data_ptr() alone: no int16 views needed
         for slot, key in enumerate(self.state_keys, start=3):
             args[slot] = state[key]
