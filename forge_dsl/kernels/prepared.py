@@ -34,8 +34,8 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "clear", "current_stream", "enabled", "entries",
-           "exports_signature", "lookup", "remember", "set_enabled", "supported"]
+__all__ = ["VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "clear", "current_stream", "enabled",
+           "entries", "exports_signature", "lookup", "remember", "set_enabled", "state_entries", "supported"]
 
 VERIFIED_TRITON = ("3.6.",)  # the Triton versions whose launcher this path was checked against on the GPU
 _MAX_ENTRIES = 4096  # a model's layers × a few token counts; the cache empties when full
