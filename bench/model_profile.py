@@ -21,7 +21,9 @@ import torch
 from forge_dsl.bench import model as bench_model
 
 
-def profile_method(name: str, model_name: str, seq: int, steps: int, top: int) -> None:
+def _warmed_up(name: str, model_name: str, seq: int):
+    """(model, finish, ids): the model built and attached to method `name` as `forge-bench model` does it, after
+    three warm-up steps on a batch of `seq` random tokens."""
     method = bench_model.ALL_METHODS[name]
     model = bench_model.build_model(model_name, torch.device("cuda"))
     finish = method.attach(model)
@@ -30,6 +32,11 @@ def profile_method(name: str, model_name: str, seq: int, steps: int, top: int) -
     for _ in range(3):
         bench_model.train_step(model, ids, finish, "transformers")
     torch.cuda.synchronize()
+    return model, finish, ids
+
+
+def profile_method(name: str, model_name: str, seq: int, steps: int, top: int) -> None:
+    model, finish, ids = _warmed_up(name, model_name, seq)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -47,7 +54,7 @@ def profile_method(name: str, model_name: str, seq: int, steps: int, top: int) -
     for key, ms in kernel_ms.most_common(top):
         print(f"  {ms:8.2f} ms  x{calls[key]:5d}  {key}")
     getattr(finish, "close", lambda: None)()
-    del model, finish
+    del model, finish  # before emptying the cache: the optimizer's state goes with them
     torch.cuda.empty_cache()
 
 
@@ -57,14 +64,7 @@ def host_profile(name: str, model_name: str, seq: int, steps: int, top: int) -> 
     import cProfile
     import pstats
 
-    method = bench_model.ALL_METHODS[name]
-    model = bench_model.build_model(model_name, torch.device("cuda"))
-    finish = method.attach(model)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=gen).cuda()
-    for _ in range(3):
-        bench_model.train_step(model, ids, finish, "transformers")
-    torch.cuda.synchronize()
+    model, finish, ids = _warmed_up(name, model_name, seq)
     start = time.perf_counter()
     for _ in range(steps):
         bench_model.train_step(model, ids, finish, "transformers")
@@ -81,7 +81,7 @@ def host_profile(name: str, model_name: str, seq: int, steps: int, top: int) -> 
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
     getattr(finish, "close", lambda: None)()
-    del model, finish
+    del model, finish  # before emptying the cache: the optimizer's state goes with them
     torch.cuda.empty_cache()
 
 
