@@ -470,8 +470,9 @@ def fused_linear_step(
         **hypers: torch-style keywords of the spec.
 
     A warp-specialized call whose arguments' metadata (shapes, strides, dtypes, devices, 16-byte alignment,
-    state tensors, keywords) repeat a checked call's reuses that call's launch: the checks, the config and
-    Triton's argument binding are skipped (forge_dsl/kernels/prepared.py; a third of the host time).
+    state tensors, the spec's variant) repeat a checked call's reuses that call's launch: the checks, the
+    config and Triton's argument binding are skipped, the keywords still resolved (forge_dsl/kernels/prepared.py;
+    a third to a half of the host time).
     """
     spec = load_spec(spec)
     reuse = _reuse_key(spec, hypers, x, dy, weight, state, rounding, tf32, config)

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "clear", "current_stream", "enabled",
+__all__ = ["VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "current_stream", "enabled",
            "entries", "exports_signature", "lookup", "remember", "set_enabled", "state_entries", "supported"]
 
 VERIFIED_TRITON = ("3.6.",)  # the Triton versions whose launcher this path was checked against on the GPU
@@ -78,11 +78,6 @@ def set_enabled(on: Optional[bool]) -> None:
     same bits); None: back to the default, on where the Triton version is verified. Forgets every entry."""
     global _SUPPORTED
     _SUPPORTED = None if on is None else bool(on)
-    _ENTRIES.clear()
-
-
-def clear() -> None:
-    """Forget every prepared launch."""
     _ENTRIES.clear()
 
 
