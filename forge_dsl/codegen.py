@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import struct
 from dataclasses import dataclass
 from importlib import resources
 
@@ -60,11 +61,31 @@ def _environment() -> jinja2.Environment:
 
 
 def _float_literal(v: float) -> str:
+    """A float64 literal of host code."""
     if math.isinf(v):
         return 'float("inf")' if v > 0 else 'float("-inf")'
     if math.isnan(v):
         return 'float("nan")'
     return repr(float(v))
+
+
+def _fp32_literal(v: float) -> str:
+    """A constant of kernel code, which computes in fp32: `v` rounded to fp32 (beyond its range, inf).
+
+    Triton gives a literal in fp32's normal range (or 0, inf, NaN) the type fp32, and other literals
+    fp64; so an fp32 subnormal is spelled as a cast, and a value that rounds to inf as inf."""
+    try:
+        r = struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:  # rounds to infinity
+        r = math.copysign(math.inf, v)
+    if r == 0.0 or not math.isfinite(r):
+        return _float_literal(r)
+    if abs(r) < 2.0**-126:
+        return f"tl.cast({r!r}, tl.float32)"
+    return _float_literal(v if 2.0**-126 <= abs(v) <= _FLT_MAX else r)
+
+
+_FLT_MAX = 3.4028234663852886e38
 
 
 def _host_operand(o: Operand) -> str:
@@ -95,7 +116,7 @@ def _host_expr(instr: Instr) -> str:
 
 def _elem_operand(o: Operand, bool_exports: set[str]) -> str:
     if o.kind == "const":
-        return repr(o.value) if isinstance(o.value, bool) else _float_literal(o.value)
+        return repr(o.value) if isinstance(o.value, bool) else _fp32_literal(o.value)
     if o.kind in ("param", "grad"):
         return f"b_{o.kind}"
     if o.kind == "state":
@@ -120,7 +141,44 @@ def _wrapped_args(args: list[str], indent: str, width: int = 110) -> str:
 
 
 def _int_power(base: str, n: int) -> str:
-    return " * ".join([base] * n)
+    """base ** n for an integer n >= 1 by multiplications: in a row up to 4, by squaring above."""
+    if n <= 4:
+        return " * ".join([base] * n)
+    half = _int_power(base, n // 2)
+    return f"({half}) * ({half})" + (f" * {base}" if n % 2 else "")
+
+
+# Exact integer powers by multiplication up to this |exponent|; above it the general form (math_pow).
+_MAX_INT_POWER = 32
+
+# Functions spelled by a kernel-library helper (forge_dsl/kernels/triton_lib.py): op -> helper.
+LIB_FUNCTIONS = {"pow": "math_pow", "atan": "math_atan", "atan2": "math_atan2", "tanh": "math_tanh",
+                 "erf": "math_erf", "log1p": "math_log1p", "expm1": "math_expm1"}
+
+
+def _splat(value: str, like: str) -> str:
+    """`value` (a constant or host scalar) in every element of a tile shaped like `like`, exactly
+    (`like * 0.0 + value` would be NaN where `like` is infinite)."""
+    return f"tl.where({like} == {like}, {value}, {value})"
+
+
+def _pow_expr(instr: Instr, a: list[str]) -> str:
+    """`base ** exponent` with torch.pow's special values (docs/LANGUAGE.md, "Numbers")."""
+    exponent = instr.args[1]
+    base = a[0]
+    if exponent.kind == "const" and instr.args[0].kind != "const":
+        e = exponent.value
+        if e == 0:  # 1 for every base, NaN and inf included
+            return _splat("1.0", base)
+        if math.isfinite(e) and e == int(e) and abs(e) <= _MAX_INT_POWER:
+            if e > 0:
+                return _int_power(base, int(e))
+            return _int_power(f"tl.div_rn(1.0, {base})", int(-e))
+        if e == 0.5:  # pow(-0, 0.5) = +0 and pow(-inf, 0.5) = inf, unlike sqrt
+            return f'tl.where({base} == float("-inf"), float("inf"), tl.sqrt(tl.where({base} == 0, 0.0, {base})))'
+        if e == -0.5:
+            return f'tl.where({base} == float("-inf"), 0.0, tl.rsqrt(tl.where({base} == 0, 0.0, {base})))'
+    return f"math_pow({', '.join(a)})"
 
 
 def _elem_expr(instr: Instr, bool_exports: set[str]) -> str:
@@ -138,7 +196,7 @@ def _elem_expr(instr: Instr, bool_exports: set[str]) -> str:
         return f"1.0 / {a[0]}"
     if op in ("sqrt", "rsqrt", "abs", "exp", "log"):
         return f"tl.{op}({a[0]})"
-    if op == "sign":
+    if op == "sign":  # NaN stays NaN, +-0 stays +-0
         return f"tl.where({a[0]} > 0, 1.0, tl.where({a[0]} < 0, -1.0, {a[0]} * 0.0))"
     if op == "min":
         return f"tl.minimum({a[0]}, {a[1]}, propagate_nan=tl.PropagateNan.ALL)"
@@ -150,19 +208,9 @@ def _elem_expr(instr: Instr, bool_exports: set[str]) -> str:
     if op == "where":
         return f"tl.where({a[0]}, {a[1]}, {a[2]})"
     if op == "pow":
-        exponent = instr.args[1]
-        if exponent.kind == "const" and not isinstance(exponent.value, bool):
-            e = exponent.value
-            if e == int(e) and 0 <= e <= 4:
-                return _int_power(a[0], int(e)) if e > 0 else f"{a[0]} * 0.0 + 1.0"
-            if e == 0.5:
-                return f"tl.sqrt({a[0]})"
-            if e == -0.5:
-                return f"tl.rsqrt({a[0]})"
-            if e == int(e) and -4 <= e < 0:
-                return f"1.0 / ({_int_power(a[0], int(-e))})"
-        # General power through exp2/log2: NaN for a negative base, like torch for a fractional exponent.
-        return f"tl.exp2({a[1]} * tl.log2({a[0]}))"
+        return _pow_expr(instr, a)
+    if op in LIB_FUNCTIONS:
+        return f"{LIB_FUNCTIONS[op]}({', '.join(a)})"
     raise AssertionError(f"no Triton spelling for {op}")
 
 
@@ -196,7 +244,7 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     for target, o in low.outputs:
         text = _elem_operand(o, bool_exports)
         if o.kind in ("const", "hyper", "step", "scalar", "host"):
-            text = f"b_param * 0.0 + {text}"  # a host value written to every element
+            text = _splat(text, "b_param")  # a host value written to every element
         outputs.append(text)
     scalar_updates = [(name, _host_operand(o)) for name, o in low.scalar_updates]
     reads_scalars = sorted({a.name for i in low.host for a in i.args if a.kind == "scalar"}
@@ -288,6 +336,8 @@ def render_module(spec: ir.Spec, spec_path: str) -> str:
                    "load_weight_raw", "split_columns", "store_weight", "tile_at", "tile_offsets"]
     if any(v["states"] for v in variants):
         lib_imports += ["decode_state", "load_state_raw", "store_state"]
+    lib_imports += sorted({f for f in LIB_FUNCTIONS.values() for v in variants for line in v["update_lines"]
+                           if f"{f}(" in line.expr})
     needs_op = any("_op(" in line.expr for v in variants for line in v["host_lines"])
     template = _environment().get_template("module.py.j2")
     return template.render(

@@ -71,56 +71,62 @@ def scalar_updates(low: Lowered, host: Mapping[str, Any]) -> dict[str, float]:
     return {name: float(_host_value(o, host)) for name, o in low.scalar_updates}
 
 
-def _tensor(x, like: torch.Tensor) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x
-    return torch.tensor(x, dtype=torch.bool if isinstance(x, bool) else like.dtype, device=like.device)
+def _host_tensor(x, like: torch.Tensor) -> torch.Tensor:
+    """A host value (Python float or bool) as a 0-dim tensor in `like`'s dtype: a float is rounded to it
+    as the kernels round theirs to fp32 (beyond the dtype's range, to inf)."""
+    if isinstance(x, bool):
+        return torch.tensor(x, dtype=torch.bool, device=like.device)
+    return torch.tensor(x, dtype=torch.float64, device=like.device).to(like.dtype)
 
 
-def _elementwise(op: str, args: list, like: torch.Tensor):
-    """One per-element operation; args are tensors, Python floats or Python bools."""
+_BINARY = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "pow": torch.pow,
+    "atan2": torch.atan2,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "and": torch.logical_and,
+    "or": torch.logical_or,
+    "min": torch.minimum,  # NaN if either is NaN
+    "max": torch.maximum,
+}
+
+_UNARY = {
+    "neg": torch.neg,
+    "not": torch.logical_not,
+    "recip": torch.reciprocal,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "abs": torch.abs,
+    # torch.sign(NaN) is 0; the language's sign keeps NaN (as IEEE and the kernels do), and the sign of a zero
+    "sign": lambda a: torch.where(torch.isnan(a) | (a == 0), a, torch.sign(a)),
+    "exp": torch.exp,
+    "log": torch.log,
+    "atan": torch.atan,
+    "tanh": torch.tanh,
+    "erf": torch.erf,
+    "log1p": torch.log1p,
+    "expm1": torch.expm1,
+}
+
+
+def _elementwise(op: str, args: list[torch.Tensor]) -> torch.Tensor:
+    """One per-element operation on tensors that broadcast (host values are 0-dim tensors)."""
     if op == "where":
-        cond, a, b = args
-        if not isinstance(cond, torch.Tensor):
-            return a if cond else b
-        return torch.where(cond, _tensor(a, like), _tensor(b, like))
-    if op in ("add", "sub", "mul", "div", "pow", "lt", "le", "gt", "ge", "eq", "ne"):
-        a, b = args
-        return {
-            "add": lambda: a + b,
-            "sub": lambda: a - b,
-            "mul": lambda: a * b,
-            "div": lambda: a / b,
-            "pow": lambda: a**b,
-            "lt": lambda: a < b,
-            "le": lambda: a <= b,
-            "gt": lambda: a > b,
-            "ge": lambda: a >= b,
-            "eq": lambda: a == b,
-            "ne": lambda: a != b,
-        }[op]()
-    if op in ("and", "or"):
-        a, b = (_tensor(x, like) for x in args)
-        return torch.logical_and(a, b) if op == "and" else torch.logical_or(a, b)
-    if op == "min":
-        return torch.minimum(*(_tensor(x, like) for x in args))
-    if op == "max":
-        return torch.maximum(*(_tensor(x, like) for x in args))
+        return torch.where(*args)
     if op == "clamp":
-        x, lo, hi = (_tensor(v, like) for v in args)
+        x, lo, hi = args
         return torch.minimum(torch.maximum(x, lo), hi)
-    (a,) = args
-    return {
-        "neg": lambda: -a,
-        "not": lambda: torch.logical_not(a),
-        "recip": lambda: torch.reciprocal(a),
-        "sqrt": lambda: torch.sqrt(a),
-        "rsqrt": lambda: torch.rsqrt(a),
-        "abs": lambda: torch.abs(a),
-        "sign": lambda: torch.sign(a),
-        "exp": lambda: torch.exp(a),
-        "log": lambda: torch.log(a),
-    }[op]()
+    if op in _BINARY:
+        return _BINARY[op](*args)
+    return _UNARY[op](*args)
 
 
 def reference_step(
@@ -171,30 +177,26 @@ def reference_step(
     scalars = {s.name: float(state[s.name]) for s in spec.scalars}
     host = run_host_program(low, cfg.hypers, int(step), scalars)
 
-    env: dict[str, Any] = {}
+    # Every output is computed from the inputs as they were before the step, whatever aliases what
+    # (an output that is an input, grad sharing storage with param or a state): the inputs read are
+    # copied first, and nothing is written until every output is computed.
+    inputs = {name: (param if name == "param" else grad if name == "grad" else state[name]).clone()
+              for name in low.element_inputs}
+    env: dict[str, torch.Tensor] = {}
 
-    def value(o: Operand):
+    def value(o: Operand) -> torch.Tensor:
         if o.kind == "const" or o.is_host:
-            return _host_value(o, host)
-        if o.kind == "param":
-            return param
-        if o.kind == "grad":
-            return grad
+            return _host_tensor(_host_value(o, host), param)
         if o.kind == "state":
-            return state[o.name]
+            return inputs[o.name]
+        if o.kind in ("param", "grad"):
+            return inputs[o.kind]
         return env[o.name]
 
     for instr in low.elem:
-        env[instr.name] = _elementwise(instr.op, [value(a) for a in instr.args], param)
-    # Inputs that are outputs unchanged are cloned: every output is computed before any is written.
-    new_values = [
-        (target, value(o).clone() if o.kind in ("param", "state") else value(o)) for target, o in low.outputs
-    ]
+        env[instr.name] = _elementwise(instr.op, [value(a) for a in instr.args])
+    new_values = [(target, value(o)) for target, o in low.outputs]
     for target, v in new_values:
-        dest = param if target == "param" else state[target]
-        if isinstance(v, torch.Tensor):
-            dest.copy_(v)
-        else:
-            dest.fill_(v)
+        (param if target == "param" else state[target]).copy_(v)
     for name, v in scalar_updates(low, host).items():
         state[name].fill_(v)

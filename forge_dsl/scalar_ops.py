@@ -20,13 +20,22 @@ def _div(a: float, b: float) -> float:
     return a / b
 
 
+def _is_odd_integer(b: float) -> bool:
+    return math.isfinite(b) and b == math.floor(b) and math.fmod(b, 2.0) != 0.0
+
+
 def _pow(a: float, b: float) -> float:
+    """`a ** b` as torch.pow in float64 (C99 pow): pow(x, 0) = 1 and pow(1, y) = 1 even for NaN; a
+    negative base with an integer exponent has the sign of its parity, with any other exponent NaN;
+    0 ** negative = inf (with the sign of the zero for an odd exponent); overflow is inf, signed."""
     try:
         r = a**b
     except OverflowError:
-        return math.inf
-    except ZeroDivisionError:  # 0 ** negative
-        return math.inf
+        if a < 0 and b != math.floor(b):  # negative ** fractional
+            return math.nan
+        return -math.inf if a < 0 and _is_odd_integer(b) else math.inf
+    except ZeroDivisionError:  # (+-0) ** negative
+        return math.copysign(math.inf, a) if _is_odd_integer(b) else math.inf
     if isinstance(r, complex):  # negative ** fractional
         return math.nan
     return float(r)
@@ -38,7 +47,7 @@ def _sqrt(a: float) -> float:
 
 def _rsqrt(a: float) -> float:
     if a == 0:
-        return math.inf
+        return math.copysign(math.inf, a)
     return 1.0 / math.sqrt(a) if a > 0 else math.nan
 
 
@@ -55,10 +64,23 @@ def _exp(a: float) -> float:
         return math.inf
 
 
+def _log1p(a: float) -> float:
+    if a == -1:
+        return -math.inf
+    return math.log1p(a) if a > -1 else math.nan  # NaN for NaN too
+
+
+def _expm1(a: float) -> float:
+    try:
+        return math.expm1(a)
+    except OverflowError:
+        return math.inf
+
+
 def _sign(a: float) -> float:
     if math.isnan(a):
         return math.nan
-    return 1.0 if a > 0 else (-1.0 if a < 0 else 0.0)
+    return 1.0 if a > 0 else (-1.0 if a < 0 else a)  # +-0 keeps its sign
 
 
 def _min(a: float, b: float) -> float:
@@ -91,6 +113,12 @@ _OPS = {
     "sign": _sign,
     "exp": _exp,
     "log": _log,
+    "atan": math.atan,
+    "atan2": math.atan2,
+    "tanh": math.tanh,
+    "erf": math.erf,
+    "log1p": _log1p,
+    "expm1": _expm1,
     "min": _min,
     "max": _max,
     "clamp": lambda x, lo, hi: _min(_max(x, lo), hi),

@@ -1,0 +1,526 @@
+"""NaN, infinity, zeros' signs and `**`: the kernels and the reference step agree on every operation.
+
+One semantics (docs/LANGUAGE.md, "Numbers"): IEEE / torch float64 results, NaN propagating (also
+through `sign`, `min`, `max`, `clamp`), every constant and host value rounded to the arithmetic's
+dtype (fp32 in the kernels). Each operation of the language is applied to a table of special inputs
+(NaN, +-inf, +-0, subnormal, tiny, large, negative, integer and fractional values, every pair of
+them) by the element-wise kernel on fp32 weights and state, and by `forge_dsl.reference_step` in
+float64; the float64 result rounded to fp32 must be NaN where the kernel's is NaN, the same infinity,
+and otherwise within fp32 error. Then the reference's own bugs: outputs that alias inputs, unary
+operations of a host number, constants beyond fp32's range, and built-in Lion on a NaN gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import forge_dsl
+from forge_dsl import kernels
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN and inf in the interpreter
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+NAN, INF = math.nan, math.inf
+
+# Special inputs; the table holds every ordered pair of them (x = grad, y = param), then random values.
+SPECIAL = [NAN, INF, -INF, 0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.0, -3.0, 1e-40, -1e-40, 2e-38, 1e-6,
+           1e30, -1e30, 3e38, 0.375, -0.25, -7.25, 89.0]
+ROWS, COLS = 10, 64  # 640 elements: 576 pairs, then random ones
+
+OPS = """
+optimizer numerics_ops "every operation on special values"
+hyper lr = 0.5 in [0, inf)
+hyper h = 0.25
+
+state s_add = 0
+state s_sub = 0
+state s_mul = 0
+state s_div = 0
+state s_div_host = 0
+state s_host_div = 0
+state s_neg = 0
+state s_sqrt = 0
+state s_rsqrt = 0
+state s_abs = 0
+state s_sign = 0
+state s_exp = 0
+state s_log = 0
+state s_min = 0
+state s_max = 0
+state s_clamp = 0
+state s_where = 0
+state s_lt = 0
+state s_le = 0
+state s_gt = 0
+state s_ge = 0
+state s_eq = 0
+state s_ne = 0
+state s_and = 0
+state s_or = 0
+state s_not = 0
+state s_pow = 0
+state s_atan = 0
+state s_atan2 = 0
+state s_tanh = 0
+state s_erf = 0
+state s_log1p = 0
+state s_expm1 = 0
+state s_const = 0
+state s_hyper = 0
+
+update {
+    a = grad
+    b = param
+    s_add = a + b
+    s_sub = a - b
+    s_mul = a * b
+    s_div = a / b
+    s_div_host = a / h
+    s_host_div = h / a
+    s_neg = -a
+    s_sqrt = sqrt(a)
+    s_rsqrt = rsqrt(a)
+    s_abs = abs(a)
+    s_sign = sign(a)
+    s_exp = exp(a)
+    s_log = log(a)
+    s_min = min(a, b)
+    s_max = max(a, b)
+    s_clamp = clamp(a, b, 2)
+    s_where = where(a > b, a, b)
+    s_lt = where(a < b, 1, 0)
+    s_le = where(a <= b, 1, 0)
+    s_gt = where(a > b, 1, 0)
+    s_ge = where(a >= b, 1, 0)
+    s_eq = where(a == b, 1, 0)
+    s_ne = where(a != b, 1, 0)
+    s_and = where(a > 0 and b > 0, 1, 0)
+    s_or = where(a > 0 or b > 0, 1, 0)
+    s_not = where(not (a > b), 1, 0)
+    s_pow = a ** b
+    s_atan = atan(a)
+    s_atan2 = atan2(a, b)
+    s_tanh = tanh(a)
+    s_erf = erf(a)
+    s_log1p = log1p(a)
+    s_expm1 = expm1(a)
+    s_const = 2.5
+    s_hyper = h
+    param = param - lr * grad
+}
+"""
+
+POWERS = """
+optimizer numerics_pow "powers of negative, zero, infinite and NaN bases"
+hyper p = 3
+hyper q = -5
+hyper r = 0.5
+hyper base = 2
+
+state e_0 = 0
+state e_2 = 0
+state e_3 = 0
+state e_5 = 0
+state e_m1 = 0
+state e_m2 = 0
+state e_m5 = 0
+state e_32 = 0
+state e_33 = 0
+state e_m33 = 0
+state e_half = 0
+state e_mhalf = 0
+state e_frac = 0
+state e_big = 0
+state e_inf = 0
+state e_minf = 0
+state e_p = 0
+state e_q = 0
+state e_r = 0
+state e_base = 0
+state e_neg_base = 0
+
+update {
+    e_0 = grad ** 0
+    e_2 = grad ** 2
+    e_3 = grad ** 3
+    e_5 = grad ** 5
+    e_m1 = grad ** -1
+    e_m2 = grad ** -2
+    e_m5 = grad ** -5
+    e_32 = grad ** 32
+    e_33 = grad ** 33
+    e_m33 = grad ** -33
+    e_half = grad ** 0.5
+    e_mhalf = grad ** -0.5
+    e_frac = grad ** 1.5
+    e_big = grad ** 1000000
+    e_inf = grad ** inf
+    e_minf = grad ** -inf
+    e_p = grad ** p
+    e_q = grad ** q
+    e_r = grad ** r
+    e_base = base ** grad
+    e_neg_base = (0 - 2) ** grad
+    param = param * p
+}
+"""
+
+HYPERS = {"numerics_ops": {"lr": 0.5, "h": 0.25}, "numerics_pow": {"p": 3.0, "q": -5.0, "r": 0.5, "base": 2.0}}
+# Relative error allowed per element: fp32 rounding of each operation, a few ulp for the library
+# functions; the general power exp2(y * log2|x|) loses |y * log2|x|| * 1.2e-7 (at most 1.5e-5).
+REL_TOL = {"e_33": 2e-5, "e_m33": 2e-5, "e_big": 2e-5, "e_p": 2e-5, "e_q": 2e-5, "s_pow": 2e-5}
+# Below this magnitude fp32 has no relative precision (subnormals), so errors are absolute.
+ABS_TOL = 1e-37
+
+
+def _write(tmp_path_factory, text: str) -> str:
+    name = text.split()[1]
+    path = tmp_path_factory.mktemp("specs") / f"{name}.fopt"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_cache(tmp_path_factory):
+    """Generated modules for these specs go to a cache of this module's own."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FORGE_DSL_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()
+
+
+def special_table(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad, param) [ROWS, COLS] fp32: every ordered pair of SPECIAL, then random values of both signs."""
+    s = torch.tensor(SPECIAL, dtype=torch.float32)
+    n = len(SPECIAL)
+    x, y = s.repeat_interleave(n), s.repeat(n)
+    gen = torch.Generator().manual_seed(seed)
+    rest = ROWS * COLS - n * n
+    rx = torch.randn(rest, generator=gen) * torch.exp2(torch.randint(-8, 9, (rest,), generator=gen).float())
+    ry = torch.randn(rest, generator=gen) * 3
+    ry[::2] = torch.round(ry[::2])  # integer exponents for negative bases
+    return torch.cat([x, rx]).view(ROWS, COLS), torch.cat([y, ry]).view(ROWS, COLS)
+
+
+def run_both(path: str, grad: torch.Tensor, param: torch.Tensor, step: int = 1):
+    """(kernel's state and param in fp32, reference's in float64) after one step from the same inputs."""
+    hypers = HYPERS[forge_dsl.load_spec(path).name]
+    p32 = param.clone().to(DEVICE)
+    st32 = forge_dsl.init_state(path, p32, layout="fp32", **hypers)
+    kernels.step(path, p32, grad.to(DEVICE), st32, step=step, rounding="nearest", **hypers)
+    p64 = param.double()
+    st64 = forge_dsl.init_state(path, p64, **hypers)
+    forge_dsl.reference_step(path, p64, grad.double(), st64, step=step, **hypers)
+    return {"param": p32, **st32}, {"param": p64, **st64}
+
+
+def mismatches(kern: torch.Tensor, ref64: torch.Tensor, rel_tol: float = 1e-5) -> torch.Tensor:
+    """Indices where the kernel's fp32 value and the float64 reference rounded to fp32 disagree."""
+    k = kern.detach().double().cpu().flatten()
+    r = ref64.detach().float().double().cpu().flatten()  # what an exact fp32 store would hold
+    nan_k, nan_r = torch.isnan(k), torch.isnan(r)
+    inf = torch.isinf(k) | torch.isinf(r)
+    bad = (nan_k != nan_r) | (inf & ~nan_k & ~nan_r & (k != r))
+    finite = ~nan_k & ~nan_r & ~inf
+    bad |= finite & ((k - r).abs() > rel_tol * r.abs() + ABS_TOL)
+    return torch.nonzero(bad).flatten()
+
+
+def describe(idx, grad, param, kern, ref64) -> str:
+    g, p = grad.flatten(), param.flatten()
+    k, r = kern.detach().cpu().flatten(), ref64.detach().cpu().flatten()
+    return "; ".join(f"grad={g[i].item()!r} param={p[i].item()!r}: kernel {k[i].item()!r}, reference "
+                     f"{r[i].item()!r}" for i in idx[:6].tolist())
+
+
+@pytest.fixture(scope="module")
+def ops_run(tmp_path_factory):
+    grad, param = special_table()
+    return (grad, param) + run_both(_write(tmp_path_factory, OPS), grad, param)
+
+
+@pytest.fixture(scope="module")
+def pow_run(tmp_path_factory):
+    grad, param = special_table(1)
+    return (grad, param) + run_both(_write(tmp_path_factory, POWERS), grad, param)
+
+
+OP_NAMES = ["param"] + [line.split()[1] for line in OPS.splitlines() if line.startswith("state ")]
+POW_NAMES = ["param"] + [line.split()[1] for line in POWERS.splitlines() if line.startswith("state ")]
+
+
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_operation_on_special_values(ops_run, name):
+    grad, param, kern, ref = ops_run
+    bad = mismatches(kern[name], ref[name], REL_TOL.get(name, 1e-5))
+    assert len(bad) == 0, f"{name}: {len(bad)} elements differ: " + describe(bad, grad, param, kern[name], ref[name])
+
+
+@pytest.mark.parametrize("name", POW_NAMES)
+def test_power_on_special_values(pow_run, name):
+    grad, param, kern, ref = pow_run
+    bad = mismatches(kern[name], ref[name], REL_TOL.get(name, 1e-5))
+    assert len(bad) == 0, f"{name}: {len(bad)} elements differ: " + describe(bad, grad, grad, kern[name], ref[name])
+
+
+def test_reference_follows_torch_float64(ops_run, pow_run):
+    """The reference's semantics is torch's in float64 (sign aside: it keeps NaN, torch.sign gives 0)."""
+    grad, param, _, ref = ops_run
+    x, y = grad.double(), param.double()
+    expected = {"s_pow": x**y, "s_atan2": torch.atan2(x, y), "s_min": torch.minimum(x, y),
+                "s_sign": torch.where(torch.isnan(x), x, torch.sign(x)), "s_log1p": torch.log1p(x),
+                "s_div": x / y, "s_const": torch.full_like(x, 2.5)}
+    for name, want in expected.items():
+        assert torch.allclose(ref[name], want, rtol=1e-15, atol=0, equal_nan=True), name
+    grad, _, _, ref = pow_run
+    x = grad.double()
+    for name, e in (("e_5", 5.0), ("e_m5", -5.0), ("e_0", 0.0), ("e_inf", INF), ("e_frac", 1.5), ("e_p", 3.0)):
+        assert torch.allclose(ref[name], torch.pow(x, e), rtol=1e-15, atol=0, equal_nan=True), name
+
+
+def test_negative_bases_are_finite_with_integer_exponents(pow_run):
+    """The bug: `grad ** 5`, `grad ** -5`, `grad ** p` were exp2(e * log2(grad)), NaN for grad < 0."""
+    grad, _, kern, _ = pow_run
+    neg = (grad < 0) & torch.isfinite(grad) & (grad.abs() > 1e-3) & (grad.abs() < 1e3)
+    assert neg.sum() > 20
+    for name in ("e_3", "e_5", "e_m5", "e_33", "e_m33", "e_p", "e_q"):
+        v = kern[name].cpu()[neg]
+        assert not v.isnan().any() and torch.signbit(v).all(), name  # -inf or -0.0 where |grad| ** 33 over/underflows
+    assert torch.isnan(kern["e_half"].cpu()[neg]).all() and torch.isnan(kern["e_r"].cpu()[neg]).all()
+    assert (kern["e_0"].cpu() == 1).all(), "x ** 0 is 1 for every x, inf and NaN included"
+
+
+# ----------------------------------------------------------------------------
+# The reference's own bugs
+# ----------------------------------------------------------------------------
+
+ALIASING = """
+optimizer aliasing "MADGRAD-style: a state that keeps the first step's weights, a state of last step's v"
+hyper lr = 1e-2 in [0, inf)
+hyper momentum = 0.9 in [0, 1)
+
+state x0 = 0
+state v = 0
+state v_prev = 0
+state last_grad = 0
+
+update {
+    x0 = where(step == 1, param, x0)
+    v_prev = where(step > 1, v, 0)
+    v = momentum * v + grad
+    last_grad = grad
+    param = param - lr * (v + v_prev) - 0.1 * (param - x0)
+}
+"""
+
+
+def _torch_aliasing_loop(p: torch.Tensor, grads: list[torch.Tensor], lr=1e-2, momentum=0.9):
+    """The ALIASING spec, written out in torch."""
+    x0 = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    v_prev = torch.zeros_like(p)
+    for step, g in enumerate(grads, start=1):
+        x0 = p.clone() if step == 1 else x0
+        v_prev = v.clone() if step > 1 else torch.zeros_like(p)
+        v = momentum * v + g
+        p = p - lr * (v + v_prev) - 0.1 * (p - x0)
+    return p, {"x0": x0, "v": v, "v_prev": v_prev, "last_grad": grads[-1]}
+
+
+def test_outputs_never_alias_inputs(tmp_path):
+    """`x0 = where(step == 1, param, x0)` must keep the weights from before the step, and
+    `v_prev = where(step > 1, v, 0)` last step's v, in the reference and in the kernel."""
+    path = tmp_path / "aliasing.fopt"
+    path.write_text(ALIASING)
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(8, 64, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(8, 64, generator=gen, dtype=torch.float64) for _ in range(4)]
+    want_p, want_state = _torch_aliasing_loop(p0.clone(), grads)
+
+    p64 = p0.clone()
+    st64 = forge_dsl.init_state(str(path), p64)
+    p32 = p0.float().to(DEVICE)
+    st32 = forge_dsl.init_state(str(path), p32, layout="fp32")
+    for step, g in enumerate(grads, start=1):
+        forge_dsl.reference_step(str(path), p64, g, st64, step=step)
+        kernels.step(str(path), p32, g.float().to(DEVICE), st32, step=step, rounding="nearest")
+    assert torch.allclose(p64, want_p, rtol=1e-12, atol=0)
+    for name, want in want_state.items():
+        assert torch.allclose(st64[name], want, rtol=1e-12, atol=0), name
+        assert (st32[name].double().cpu() - want).norm() <= 1e-5 * want.norm(), name
+    assert (p32.double().cpu() - want_p).norm() <= 1e-5 * want_p.norm()
+
+
+def test_grad_sharing_storage_with_param(tmp_path):
+    """grad *is* param (or a view of it): every output reads the values from before the step."""
+    path = tmp_path / "aliasing.fopt"
+    path.write_text(ALIASING)
+    p = torch.randn(8, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    before = p.clone()
+    state = forge_dsl.init_state(str(path), p)
+    forge_dsl.reference_step(str(path), p, p.view(8, 64), state, step=1)
+    want_p, want_state = _torch_aliasing_loop(before.clone(), [before])
+    assert torch.equal(state["last_grad"], before)
+    assert torch.allclose(p, want_p, rtol=1e-12, atol=0)
+    assert torch.allclose(state["v"], want_state["v"], rtol=1e-12, atol=0)
+
+
+HOST_NUMBERS = """
+optimizer host_numbers "unary operations of a host number chosen by where()"
+hyper lr = 1e-2 in [0, inf)
+
+state u_abs = 0
+state u_sqrt = 0
+state u_rsqrt = 0
+state u_exp = 0
+state u_log = 0
+state u_sign = 0
+state u_atan = 0
+state u_tanh = 0
+state u_neg = 0
+
+update {
+    u_abs = abs(where(step == 1, -3, grad))
+    u_sqrt = sqrt(where(step == 1, 4, grad))
+    u_rsqrt = rsqrt(where(step == 1, 4, grad))
+    u_exp = exp(where(step == 1, 0, grad))
+    u_log = log(where(step == 1, 1, grad))
+    u_sign = sign(where(step == 1, -2, grad))
+    u_atan = atan(where(step == 1, 1, grad))
+    u_tanh = tanh(where(step == 1, 0, grad))
+    u_neg = -where(step == 1, 5, grad)
+    param = param - lr * grad
+}
+"""
+
+
+def test_unary_operations_of_host_numbers(tmp_path):
+    path = tmp_path / "host_numbers.fopt"
+    path.write_text(HOST_NUMBERS)
+    gen = torch.Generator().manual_seed(5)
+    g = (torch.rand(8, 64, generator=gen) + 0.5).double()  # fp32 values: the kernel reads the same inputs
+    step1 = {"u_abs": 3.0, "u_sqrt": 2.0, "u_rsqrt": 0.5, "u_exp": 1.0, "u_log": 0.0, "u_sign": -1.0,
+             "u_atan": math.pi / 4, "u_tanh": 0.0, "u_neg": -5.0}
+    step2 = {"u_abs": g.abs(), "u_sqrt": g.sqrt(), "u_rsqrt": g.rsqrt(), "u_exp": g.exp(), "u_log": g.log(),
+             "u_sign": g.sign(), "u_atan": g.atan(), "u_tanh": g.tanh(), "u_neg": -g}
+    p64 = torch.randn(8, 64, generator=gen, dtype=torch.float64)
+    st64 = forge_dsl.init_state(str(path), p64)
+    p32 = p64.float().to(DEVICE)
+    st32 = forge_dsl.init_state(str(path), p32, layout="fp32")
+    for step, want in ((1, step1), (2, step2)):
+        forge_dsl.reference_step(str(path), p64, g, st64, step=step)
+        kernels.step(str(path), p32, g.float().to(DEVICE), st32, step=step, rounding="nearest")
+        for name, w in want.items():
+            w = torch.as_tensor(w, dtype=torch.float64).expand(8, 64)
+            assert torch.allclose(st64[name], w, rtol=1e-12, atol=1e-15), (step, name)
+            assert len(mismatches(st32[name], w)) == 0, (step, name)
+
+
+BEYOND_FP32 = """
+optimizer beyond_fp32 "constants outside fp32's range"
+hyper lr = 1e-2 in [0, inf)
+
+state b_min = 0
+state b_where = 0
+state b_mul = 0
+state b_clamp = 0
+state b_const = 0
+state b_tiny = 0
+state b_subnormal = 0
+
+update {
+    b_min = min(grad, 1e300)
+    b_where = where(grad > 0, 1e300, -1e300)
+    b_mul = grad * 1e300
+    b_clamp = clamp(grad, -1e300, 1e-300)
+    b_const = 1e300
+    b_tiny = grad * 1e-300
+    b_subnormal = where(grad > 0, 1e-40, grad)
+    param = param - lr * grad
+}
+"""
+
+
+def test_constants_beyond_fp32_round_like_the_kernel(tmp_path):
+    """On fp32 parameters a constant is rounded to fp32 (1e300 -> inf, 1e-300 -> 0), as the kernel's fp32
+    arithmetic does; the reference raised on them."""
+    path = tmp_path / "beyond_fp32.fopt"
+    path.write_text(BEYOND_FP32)
+    grad, param = special_table(2)
+    p_ref = param.clone()
+    st_ref = forge_dsl.init_state(str(path), p_ref)
+    forge_dsl.reference_step(str(path), p_ref, grad, st_ref, step=1)
+    p32 = param.clone().to(DEVICE)
+    st32 = forge_dsl.init_state(str(path), p32, layout="fp32")
+    kernels.step(str(path), p32, grad.to(DEVICE), st32, step=1, rounding="nearest")
+    assert torch.isinf(st_ref["b_const"]).all() and (st_ref["b_const"] > 0).all()
+    assert torch.equal(st_ref["b_where"], torch.where(grad > 0, INF, -INF))
+    for name in st_ref:
+        assert len(mismatches(st32[name], st_ref[name])) == 0, name
+        assert len(mismatches(st_ref[name], st_ref[name].double())) == 0, name
+    # float64 parameters keep the constants: the reference computes in the parameter's dtype.
+    p64 = param.double()
+    st64 = forge_dsl.init_state(str(path), p64)
+    forge_dsl.reference_step(str(path), p64, grad.double(), st64, step=1)
+    assert (st64["b_const"] == 1e300).all()
+
+
+def test_lion_nan_gradient_element():
+    """sign(NaN) is NaN: built-in Lion writes NaN where the gradient is NaN, in kernel and reference alike,
+    and the other elements are untouched by it."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(8, 64, generator=gen)
+    g = torch.randn(8, 64, generator=gen)
+    g[3, 17] = NAN
+    hypers = {"lr": 1e-2, "weight_decay": 0.1}
+    w32 = w.clone().to(DEVICE)
+    st32 = forge_dsl.init_state("lion", w32, layout="fp32")
+    kernels.step("lion", w32, g.to(DEVICE), st32, step=1, rounding="nearest", **hypers)
+    w64 = w.double()
+    st64 = forge_dsl.init_state("lion", w64)
+    forge_dsl.reference_step("lion", w64, g.double(), st64, step=1, **hypers)
+    assert torch.isnan(w64[3, 17]) and torch.isnan(w32[3, 17])
+    assert torch.isnan(w64).sum() == 1 and torch.isnan(w32).sum() == 1
+    assert len(mismatches(w32, w64)) == 0
+    assert len(mismatches(st32["exp_avg"], st64["exp_avg"])) == 0
+
+
+# ----------------------------------------------------------------------------
+# The host side: float64 scalars (hyperparameters, step, scalar state, constant folding)
+# ----------------------------------------------------------------------------
+
+HOST_VALUES = [NAN, INF, -INF, 0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.0, -3.0, 1.5, -2.5, 1e-310,
+               -1e-310, 1e300, -1e300, 401.0, -401.0, 1e20, -1e20, 7.0, -10.0, 800.0]
+HOST_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
+               "atan2": torch.atan2, "min": torch.minimum, "max": torch.maximum}
+HOST_UNARY = {"neg": torch.neg, "recip": torch.reciprocal, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+              "abs": torch.abs, "exp": torch.exp, "log": torch.log, "atan": torch.atan, "tanh": torch.tanh,
+              "erf": torch.erf, "log1p": torch.log1p, "expm1": torch.expm1,
+              "sign": lambda t: torch.where(torch.isnan(t) | (t == 0), t, torch.sign(t))}
+
+
+def _same_float(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if a == b:
+        return a != 0 or math.copysign(1, a) == math.copysign(1, b)
+    return abs(a - b) <= 1e-15 * abs(b) + 1e-320  # a last-bit difference of the library functions
+
+
+@pytest.mark.parametrize("op", sorted(HOST_BINARY) + sorted(HOST_UNARY))
+def test_host_operations_match_torch_float64(op):
+    """`scalar_ops` (what the host program and constant folding compute) is torch's float64 arithmetic,
+    never an exception: `(-10.0) ** 401` is -inf and `(-0.0) ** -1` is -inf (Python raises on both)."""
+    from forge_dsl.scalar_ops import apply_scalar_op
+
+    t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    if op in HOST_BINARY:
+        cases = [(a, b) for a in HOST_VALUES for b in HOST_VALUES]
+        want = [HOST_BINARY[op](t(a), t(b)).item() for a, b in cases]
+    else:
+        cases = [(a,) for a in HOST_VALUES]
+        want = [HOST_UNARY[op](t(a)).item() for (a,) in cases]
+    bad = [(args, got, w) for args, w in zip(cases, want) if not _same_float(got := apply_scalar_op(op, *args), w)]
+    assert not bad, f"{op}: {bad[:6]}"
