@@ -1,11 +1,16 @@
 """`forge-gen`: compile `.fopt` specs into Triton modules.
 
     forge-gen optimizers/             # writes generated/<name>.py for every spec; rewrites only what changed
-    forge-gen --check optimizers/     # exit 1, with the command that fixes it, when generated/ is stale
+    forge-gen --check optimizers/     # exit 1, with the command that fixes it, when generated/ is stale or damaged
     forge-gen my_opt.fopt -o out/     # a single spec anywhere
 
-Without `-o`, the output folder is `generated/` beside a folder named
-`optimizers/`, and otherwise the spec's own folder.
+Without `-o`, the output folder is `generated/` beside a folder named `optimizers/`, and otherwise
+the spec's own folder (`kernels.compiled.default_out`); with `-o`, forge-gen records the module in
+the cache folder's registry.  Either way `load_spec` and the kernels then run this module while it
+is current (see forge_dsl/kernels/compiled.py).  Files are written atomically.
+
+Exit status: 0 done, 1 a spec error or (with --check) a stale or damaged file, 2 bad arguments or
+files that cannot be read or written.
 """
 
 from __future__ import annotations
@@ -15,10 +20,15 @@ import sys
 from pathlib import Path
 
 from .api import load_spec
-from .codegen import render_module
+from .codegen import read_stamp, render_module
 from .errors import SpecError
+from .kernels.compiled import atomic_write, default_out, register
 
 __all__ = ["main", "generate"]
+
+
+class _InputError(Exception):
+    """A problem with forge-gen's arguments or files, printed as one line (exit 2)."""
 
 
 def _spec_files(paths: list[str]) -> list[Path]:
@@ -26,28 +36,41 @@ def _spec_files(paths: list[str]) -> list[Path]:
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            files.extend(sorted(path.glob("*.fopt")))
+            try:
+                found = sorted(f for f in path.glob("*.fopt") if f.is_file())
+            except OSError as err:
+                raise _InputError(f"cannot read the folder {p}: {err.strerror or err}") from None
+            if not found:
+                raise _InputError(f"no .fopt files in {p}")
+            files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"no such spec file or folder: {p}")
+            raise _InputError(f"no such spec file or folder: {p}")
     return files
-
-
-def _default_out(spec_file: Path) -> Path:
-    folder = spec_file.resolve().parent
-    return folder.parent / "generated" if folder.name == "optimizers" else folder
 
 
 def _display(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
+    except (ValueError, OSError):
         return str(path)
 
 
+def _output(spec_file: Path, out_dir: Path) -> str:
+    """Which kind of place `out_dir` is for `spec_file` (a key of codegen.OUTPUTS)."""
+    if out_dir.resolve() != default_out(spec_file).resolve():
+        return "out"
+    return "optimizers" if spec_file.resolve().parent.name == "optimizers" else "beside"
+
+
 def generate(spec_file: Path, out_dir: Path) -> tuple[Path, str]:
-    """(target path, generated text) for one spec file; raises SpecError on a bad spec."""
+    """(target path, generated text) for one spec file.
+
+    Raises:
+        SpecError: a bad spec (or one whose file is not named after it).
+        OSError: the spec file cannot be read.
+    """
     spec = load_spec(str(spec_file))
     if spec.name != spec_file.stem:
         raise SpecError(
@@ -55,55 +78,70 @@ def generate(spec_file: Path, out_dir: Path) -> tuple[Path, str]:
             spec.loc,
             spec.source,
         )
-    # The header names the spec by its path relative to its folder's parent, so output
-    # does not depend on where the command runs.
-    shown = f"{spec_file.resolve().parent.name}/{spec_file.name}"
-    return out_dir / f"{spec.name}.py", render_module(spec, shown)
+    return out_dir / f"{spec.name}.py", render_module(spec, _output(spec_file, out_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="forge-gen", description="Compile .fopt optimizer specs into Triton modules.")
     parser.add_argument("paths", nargs="+", help=".fopt files or folders of them")
-    parser.add_argument("-o", "--out", help="output folder (default: generated/ beside optimizers/)")
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any output is stale")
+    parser.add_argument("-o", "--out", help="output folder (default: generated/ beside optimizers/, else the spec's folder)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any output is stale or damaged")
     args = parser.parse_args(argv)
 
     try:
         files = _spec_files(args.paths)
-    except FileNotFoundError as err:
+    except _InputError as err:
         print(f"forge-gen: {err}", file=sys.stderr)
-        return 2
-    if not files:
-        print(f"forge-gen: no .fopt files in {' '.join(args.paths)}", file=sys.stderr)
         return 2
 
     stale: list[str] = []
-    failed = False
+    damaged: list[str] = []
+    spec_failed = io_failed = False
     for spec_file in files:
-        out_dir = Path(args.out) if args.out else _default_out(spec_file)
+        out_dir = Path(args.out) if args.out else default_out(spec_file)
         try:
             target, text = generate(spec_file, out_dir)
         except SpecError as err:
             print(err, file=sys.stderr)
-            failed = True
+            spec_failed = True
             continue
-        current = target.read_text() if target.is_file() else None
-        if current == text:
-            if not args.check:
-                print(f"unchanged {_display(target)}")
+        except OSError as err:
+            print(f"forge-gen: cannot read {spec_file}: {err.strerror or err}", file=sys.stderr)
+            io_failed = True
             continue
-        if args.check:
-            stale.append(_display(target))
+        data = text.encode()
+        try:
+            current = target.read_bytes() if target.is_file() else None
+        except OSError:
+            current = None
+        if current != data and args.check:
+            stamp = read_stamp(current) if current is not None else None
+            (damaged if stamp is not None and not stamp.intact else stale).append(_display(target))
             continue
-        out_dir.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
-        print(f"wrote     {_display(target)}")
-    if failed:
+        if current != data:
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write(target, data)
+            except OSError as err:
+                print(f"forge-gen: cannot write {target}: {err.strerror or err}", file=sys.stderr)
+                io_failed = True
+                continue
+        if not args.check:
+            print(f"{'unchanged' if current == data else 'wrote    '} {_display(target)}")
+            if args.out and _output(spec_file, out_dir) == "out":
+                try:
+                    register(read_stamp(data).spec_hash, target)
+                except OSError as err:
+                    print(f"forge-gen: warning: {err}; load_spec will not find {_display(target)}", file=sys.stderr)
+    if io_failed:
+        return 2
+    if spec_failed:
         return 1
-    if stale:
+    if stale or damaged:
         command = "forge-gen " + " ".join(args.paths) + (f" -o {args.out}" if args.out else "")
-        print(f"forge-gen: stale or missing: {', '.join(stale)}; run `{command}` and commit the result",
-              file=sys.stderr)
+        parts = ([f"damaged (sha256 does not match the header): {', '.join(damaged)}"] if damaged else []) + (
+            [f"stale or missing: {', '.join(stale)}"] if stale else [])
+        print(f"forge-gen: {'; '.join(parts)}; run `{command}` and commit the result", file=sys.stderr)
         return 1
     return 0
 
