@@ -84,7 +84,8 @@ def generate(spec_file: Path, out_dir: Path) -> tuple[Path, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="forge-gen", description="Compile .fopt optimizer specs into Triton modules.")
     parser.add_argument("paths", nargs="+", help=".fopt files or folders of them")
-    parser.add_argument("-o", "--out", help="output folder (default: generated/ beside optimizers/, else the spec's folder)")
+    parser.add_argument("-o", "--out",
+                        help="output folder (default: generated/ beside optimizers/, else the spec's folder)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any output is stale or damaged")
     args = parser.parse_args(argv)
 
