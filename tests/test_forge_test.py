@@ -1,0 +1,279 @@
+"""`forge-test` (forge_dsl.testing): passes correct specs, fails wrong kernels and wrong references with a
+reproducer that reruns the failure, and refuses bad command lines."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import forge_dsl
+from forge_dsl import codegen
+from forge_dsl.checker import combinations
+from forge_dsl.config import resolve_hypers
+from forge_dsl.testing import Case, check_reference, covering_combos, draw_keywords, main, run_case
+from forge_dsl.testing.problems import default_combo
+
+# A user spec with a flag and two states: AdaBelief (Zhuang et al., 2020), decoupled or L2 weight decay.
+ADABELIEF = """
+optimizer adabelief "AdaBelief (Zhuang et al., 2020)"
+hyper lr = 1e-3 in [0, inf)
+hyper betas = (beta1 = 0.9, beta2 = 0.999) in [0, 1)
+hyper eps = 1e-16 in [0, inf)
+hyper weight_decay = 0 in [0, inf)
+flag decoupled = true
+state exp_avg = 0
+state exp_avg_var = 0 nonneg
+update {
+    g = grad
+    if decoupled {
+        param = param * (1 - lr * weight_decay)
+    } else {
+        g = g + weight_decay * param
+    }
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_var = beta2 * exp_avg_var + (1 - beta2) * (g - exp_avg) * (g - exp_avg) + eps
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    denom = sqrt(exp_avg_var / bias_correction2) + eps
+    param = param - lr / bias_correction1 * exp_avg / denom
+}
+"""
+
+# SGD with momentum whose weight decay skips the buffer: torch.optim.SGD puts it in (g = grad + wd·p first).
+SGD_DECAY_OUTSIDE = """
+optimizer my_sgd "SGD with momentum, decay outside the buffer"
+hyper lr = 1e-3 in [0, inf)
+hyper momentum = 0.9 in [0, 1)
+hyper weight_decay = 0 in [0, inf)
+state momentum_buffer = 0
+update {
+    momentum_buffer = momentum * momentum_buffer + grad
+    param = param - lr * (momentum_buffer + weight_decay * param)
+}
+"""
+SGD_AS_TORCH = SGD_DECAY_OUTSIDE.replace(
+    "momentum_buffer = momentum * momentum_buffer + grad\n    param = param - lr * (momentum_buffer + weight_decay * param)",
+    "momentum_buffer = momentum * momentum_buffer + grad + weight_decay * param\n    param = param - lr * momentum_buffer")
+
+
+def write_spec(tmp_path, text: str, name: str, salt: str = "") -> str:
+    """A spec file; `salt` (a comment) gives it its own source hash, so its compiled module is its own."""
+    path = tmp_path / f"{name}.fopt"
+    path.write_text(f"# {salt}\n{text}" if salt else text)
+    return str(path)
+
+
+def python_of(reproducer: str) -> str:
+    (code,) = re.findall(r"```python\n(.*?)```", reproducer, flags=re.S)
+    return code
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A compile cache of the test's own."""
+    monkeypatch.setenv("FORGE_DSL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_user_spec_passes_quick(tmp_path, cache, capsys):
+    path = write_spec(tmp_path, ADABELIEF, "adabelief", salt="passes")
+    assert main([path, "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"spec\s+path\s+check\s+flags on\s+layout\s+weights\s+shape\s+worst error\s+bound\s+verdict", out)
+    rows = [line for line in out.splitlines() if line.startswith("adabelief ")]
+    paths = {line.split()[1] for line in rows}
+    assert {"fused", "slab", "step"} <= paths
+    assert all(line.split()[-1] == "ok" for line in rows) and len(rows) >= 20
+    for layout in ("fp32", "int8", "mixed", "bf16"):
+        assert any(line.split()[4] == layout for line in rows), layout
+    assert "bf16/nearest" in out and "bf16/stochastic" in out and "1×70" in out and "33×1" in out
+    assert any(line.split()[3] == "decoupled" for line in rows) and any(line.split()[3] == "-" for line in rows)
+    assert "failed" in out and " 0 failed" in out and "first failure" not in out
+
+
+def test_wrong_kernel_fails_with_a_reproducer_that_reruns_it(tmp_path, cache, capsys, monkeypatch):
+    """sqrt spelled 1 % too large in the generated kernels (not in the reference): forge-test exits 1 and
+    prints a reproducer; its Python reruns the failure; the same case on a correctly compiled spec passes."""
+    real = codegen._elem_expr
+
+    def wrong_sqrt(instr, bool_exports):
+        text = real(instr, bool_exports)
+        return f"({text}) * 1.01" if instr.op == "sqrt" else text
+
+    monkeypatch.setattr(codegen, "_elem_expr", wrong_sqrt)
+    path = write_spec(tmp_path, ADABELIEF, "adabelief", salt="wrong sqrt")
+    assert main([path, "--quick"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"adabelief\s+fused\s+chain.*FAIL", out)
+    assert "first failure: weight" in out and "rerun:" in out
+    code = python_of(out)
+    assert "Case(spec=" in code and "keywords={" in code and "seed=" in code
+    scope: dict = {}
+    exec(code, scope)
+    assert not scope["result"].ok, scope["result"].describe()
+    assert scope["result"].step == scope["case"].steps  # it reruns up to the failing step
+    monkeypatch.undo()  # a correct compile of the same spec (another source hash: its own module)
+    monkeypatch.setenv("FORGE_DSL_CACHE", str(cache))
+    fixed = write_spec(tmp_path, ADABELIEF, "adabelief_fixed", salt="correct sqrt")
+    assert run_case(scope["case"].replace(spec=fixed)).ok
+
+
+def test_wrong_reference_fails_against_torch(tmp_path, capsys):
+    path = write_spec(tmp_path, SGD_DECAY_OUTSIDE, "my_sgd")
+    assert main([path, "--against", "torch.optim:SGD", "--reference-only"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"my_sgd\s+vs torch.optim:SGD\s+against.*FAIL", out)
+    scope: dict = {}
+    exec(python_of(out), scope)
+    assert not scope["result"].ok and scope["case"].keywords["weight_decay"] > 0
+    good = write_spec(tmp_path, SGD_AS_TORCH, "my_sgd_as_torch")
+    assert main([good, "--against", "torch.optim:SGD", "--reference-only"]) == 0
+
+
+def test_adamw_against_adam_fails_and_against_adamw_passes(capsys):
+    """Adam's weight_decay is L2 in the gradient, AdamW's decoupled: every combination differs, from step 1."""
+    assert main(["adamw", "--against", "torch.optim:Adam", "--reference-only"]) == 1
+    out = capsys.readouterr().out
+    assert len(re.findall(r"vs torch.optim:Adam\s+against.*FAIL", out)) == 4
+    assert main(["adamw", "--against", "torch.optim:AdamW", "--reference-only"]) == 0
+    assert len(re.findall(r"vs torch.optim:AdamW\s+against.*ok", capsys.readouterr().out)) == 4
+
+
+def test_reference_api_every_builtin_against_torch():
+    """check_reference over every flag combination, from the built-ins with a torch.optim twin."""
+    twins = {"adamw": "AdamW", "nadam": "NAdam", "radam": "RAdam", "rmsprop": "RMSprop", "adagrad": "Adagrad",
+             "sgd": "SGD", "sgd_momentum": "SGD"}
+    for name, cls in twins.items():
+        report = check_reference(name, f"torch.optim:{cls}", steps=6)
+        assert report.ok, report.reproducer
+        assert len(report.rows) == len(combinations(forge_dsl.load_spec(name)))
+    lion = check_reference("lion", "references:LionFormula", steps=6)  # tests/references.py
+    assert lion.ok and lion.first_failure is None and lion.reproducer is None
+
+
+def test_a_class_that_refuses_the_keywords_fails(capsys):
+    assert main(["lion", "--against", "torch.optim:SGD", "--reference-only"]) == 1  # SGD takes no betas
+    assert "refused the spec's keywords" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nosuchopt"], "no built-in optimizer named 'nosuchopt'"),
+    (["missing.fopt"], "no spec file at 'missing.fopt'"),
+    (["adamw", "--against", "torch.optim.AdamW"], "--against takes MODULE:CLASS"),
+    (["adamw", "--against", "no_such_module_xyz:Adam"], "cannot import 'no_such_module_xyz'"),
+    (["adamw", "--against", "torch.optim:Adamm"], "torch.optim has no 'Adamm'"),
+    (["adamw", "--against", "math:pi"], "'pi' is not a class"),
+    (["adamw", "--reference-only"], "give --against MODULE:CLASS"),
+    (["adamw", "--steps", "0"], "--steps must be a positive integer"),
+])
+def test_usage_errors_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_spec_error_is_its_message_exit_1(tmp_path, capsys):
+    path = write_spec(tmp_path, "optimizer bad\nhyper lr = 1e-3\nupdate {\n    param = param - lr * sqr(grad)\n}\n", "bad")
+    assert main([path, "--quick"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"bad\.fopt:4:\d+: .*sqr", err) and "^" in err and "Traceback" not in err
+
+
+def test_drawn_keywords_reach_every_combination_inside_the_ranges():
+    """Every built-in and combination: the keywords resolve to that combination (derived flags through their
+    hyperparameters, `require`s passed), each hyperparameter inside its range and away from its default where
+    the combination allows it, weight decay non-zero."""
+    for name in forge_dsl.builtin_names():
+        spec = forge_dsl.load_spec(name)
+        for combo in combinations(spec):
+            kw = draw_keywords(spec, combo, random.Random(1))
+            cfg = resolve_hypers(spec, kw)
+            assert cfg.combo == combo, (name, combo)
+            for h in spec.hypers:
+                v = cfg.hypers[h.name]
+                assert h.interval.contains(v)
+                if h.name == "weight_decay":
+                    assert v > 0, name
+            moved = sum(cfg.hypers[h.name] != h.default for h in spec.hypers)
+            off = dict(combo)
+            pinned = (off.get("nesterov", False)  # dampening == 0
+                      + (name == "rmsprop" and not off["has_momentum"]))  # momentum == 0
+            assert moved >= len(spec.hypers) - pinned, (name, combo, kw)
+
+
+def test_unreachable_combination_is_skipped_and_said(tmp_path):
+    path = write_spec(tmp_path, "optimizer capped\nhyper lr = 1e-3 in [0, 0.5]\nflag big = lr > 1\n"
+                      "update {\n    param = param - where(big, 0, lr) * grad\n}\n", "capped")
+    spec = forge_dsl.load_spec(path)
+    assert draw_keywords(spec, (("big", True),), random.Random(0)) is None
+    report = check_reference(path, "torch.optim:SGD")
+    skipped = [r for r in report.rows if "skipped" in r.note]
+    assert len(skipped) == 1 and "big=true" in skipped[0].note and skipped[0].ok
+
+
+def test_covering_combos_cover_every_pair():
+    flags = "".join(f"flag f{i} = false\n" for i in range(5))
+    scale = " * ".join(f"where(f{i}, 1, 2)" for i in range(5))
+    text = f"optimizer many\nhyper lr = 1e-3 in [0, inf)\n{flags}update {{\n    param = param - lr * grad * {scale}\n}}\n"
+    spec = forge_dsl.parser.parse_spec(text, "many.fopt")
+    spec = forge_dsl.checker.check_spec(spec)
+    chosen = covering_combos(spec)
+    assert len(chosen) < 2**5 and chosen[0] == default_combo(spec) and all(v for _, v in chosen[1])
+    for i, j in itertools.combinations(range(5), 2):
+        for a, b in itertools.product((False, True), repeat=2):
+            assert any(c[i][1] == a and c[j][1] == b for c in chosen), (i, j, a, b)
+
+
+def test_drawn_learning_rate_moves_the_weight_by_a_few_percent():
+    from forge_dsl.testing.sweep import UPDATE_BAND, _update_ratio, keywords_for
+    from forge_dsl.testing.problems import make_problem
+
+    w0 = make_problem(0, torch.float32, device=torch.device("cpu"))[0].double()
+    for name in ("adamw", "sgd", "lion", "adagrad"):
+        spec = forge_dsl.load_spec(name)
+        kw = keywords_for(spec, default_combo(spec), seed=3)
+        ratio = _update_ratio(spec, kw, w0)
+        assert UPDATE_BAND[0] / 3 <= ratio <= UPDATE_BAND[1] * 3, (name, ratio)
+
+
+def test_case_source_round_trips():
+    case = Case(spec="adamw", path="slab", keywords={"lr": 0.1 / 3, "betas": (0.9, 0.99), "amsgrad": True},
+                layout={"exp_avg": "int8", "exp_avg_sq": "bf16"}, weights="bf16", rounding="nearest",
+                shape=(33, 1), steps=3, seed=12345)
+    from forge_dsl.testing import cases
+
+    assert eval(case.source(), vars(cases)) == case
+
+
+@pytest.mark.skipif(shutil.which("forge-test") is None, reason="forge-test is not installed (pip install -e .)")
+def test_console_script():
+    result = subprocess.run(["forge-test", "sgd", "--against", "torch.optim:SGD", "--reference-only"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "vs torch.optim:SGD" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lion"])
+def test_full_sweep_of_a_builtin(name, capsys):
+    """The default (non-quick) sweep: every combination, every layout × weights × path, awkward shapes."""
+    assert main([name]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert {"halves", "split"} <= {line.split()[1] for line in out.splitlines() if line.startswith(name)}
+
+
+@pytest.mark.gpu
+def test_quick_on_the_gpu(capsys):
+    """Compiled kernels (the interpreter accepts code the compiler rejects); on Hopper the warp-specialized path."""
+    from forge_dsl.kernels import launch
+
+    assert main(["adamw", "--quick", "--device", "cuda"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    if launch._hopper_with_gluon(torch.device("cuda")):
+        assert re.search(r"adamw\s+ws\s+per-step", out)
