@@ -286,7 +286,8 @@ def test_damaged_generated_module_warns_and_falls_back(tmp_path, private_cache):
 
 
 def builtin_copy(tmp_path, monkeypatch, name: str) -> Path:
-    """A copy of the package's generated/ that the loader takes for forge_dsl.generated.
+    """A package generated/ folder (freshly rendered, as `forge-gen optimizers/` writes it) that the
+    loader takes for forge_dsl.generated.
 
     Run from a folder without optimizers/: a built-in's path reads `optimizers/<name>.fopt`, and
     from the repository's root that finds its generated/ beside it."""
@@ -295,7 +296,9 @@ def builtin_copy(tmp_path, monkeypatch, name: str) -> Path:
     monkeypatch.chdir(tmp_path)
 
     folder = tmp_path / "package_generated"
-    shutil.copytree(ROOT / "generated", folder)
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / f"{name}.py").write_text(codegen.render_module(forge_dsl.load_spec(name), "optimizers"), encoding="utf-8")
     monkeypatch.setattr(package, "__path__", [str(folder)])
     monkeypatch.delitem(sys.modules, f"forge_dsl.generated.{name}", raising=False)
     return folder / f"{name}.py"
