@@ -71,15 +71,30 @@ REDUCTIONS = {
 
 BUILTIN_VALUES = ("param", "grad", "step")
 
+_REDUCTION_HINT = (
+    "FORGE updates each tile while its gradient is in registers, before other tiles exist; compute a norm "
+    "or sum outside the optimizer and pass it as a hyperparameter each step"
+)
+
 # Names that would collide with Python (keyword arguments of the generated
 # launchers), Triton or the generated code's own names.
-RESERVED_NAMES = frozenset(
+_COLLIDING_NAMES = frozenset(
     set(keyword.kwlist)
     | set(getattr(keyword, "softkwlist", ()))
     | {"tl", "triton", "torch", "math", "np", "numpy", "libdevice", "self", "cls"}
     | {"spec", "state", "weight", "x", "dy", "seed", "layout", "rounding", "grid", "kernel", "meta"}
     | {"int", "float", "bool", "len", "range", "print", "min_", "max_"}
 )
+# The named parameters of the Python API's entry points (kernels.fused_linear_step, slab_linear_step,
+# linear_step, step, kernels.foreach, init_state, reference_step, ForgeOptimizer), which take the
+# spec's keywords as **hypers: a hyperparameter or flag of the same name would be taken by the API.
+# tests/test_reserved_names.py keeps this in step with their signatures.
+API_KEYWORDS = frozenset({
+    "spec", "param", "grad", "step", "state", "states", "params", "grads", "weight", "x", "dy", "model",
+    "seed", "rounding", "layout", "state_dtype", "fuse", "foreach", "linear_path", "path", "tf32", "config",
+    "slab_bytes", "self",
+})
+RESERVED_NAMES = _COLLIDING_NAMES | API_KEYWORDS
 
 MAX_FLAGS = 8
 
@@ -196,6 +211,8 @@ class _Checker:
         self.spec = spec
         self.symbols: dict[str, _Symbol] = {}
         self.used: set[str] = set()
+        self.optional: set[str] = set()  # hyperparameters declared '= none'
+        self.allow_given = False  # given(...) is allowed in derived flags and 'require' only
         self.temps_anywhere = {
             s.target
             for s in _walk_stmts(spec.body)
@@ -217,9 +234,15 @@ class _Checker:
         self.symbols[name] = symbol
 
     def check_name(self, name: str, loc: Loc) -> None:
-        if name in RESERVED_NAMES:
+        if name in _COLLIDING_NAMES:
             raise self.error(
                 f"'{name}' is reserved (it would collide with Python, Triton or generated code); choose another name",
+                loc,
+            )
+        if name in API_KEYWORDS:
+            raise self.error(
+                f"'{name}' is reserved: it is a keyword of forge_dsl's Python API (kernels.step, "
+                "ForgeOptimizer, ...), which would take it instead of the spec's keyword; choose another name",
                 loc,
             )
         if name.startswith("_") or "__" in name:
@@ -236,12 +259,13 @@ class _Checker:
         }
         self.check_name(spec.name, spec.loc)
         members = {m for g in spec.groups for m in g.members}
-        groups = {g.name: g for g in spec.groups}
+        groups = iter(spec.groups)
         # In source order, so that a duplicate is reported where it is written
-        # a second time (a tuple keyword is declared just before its members).
+        # a second time (a tuple keyword is declared just before its members,
+        # which follow it in `spec.hypers`, the first with index 0).
         for h in spec.hypers:
-            if h.group is not None and h.group not in self.symbols:
-                g = groups[h.group]
+            if h.group is not None and h.index == 0:
+                g = next(groups)
                 self.declare(g.name, _Symbol("tuple keyword", Type.REAL, Level.HOST), g.loc)
                 self.check_interval(g.interval, g.name, g.loc)
             self.declare(h.name, _Symbol("hyperparameter", Type.REAL, Level.HOST), h.loc)
@@ -254,6 +278,7 @@ class _Checker:
                 )
         for f in spec.flags:
             self.declare(f.name, _Symbol("flag", Type.BOOL, Level.FLAG), f.loc)
+        self.optional = {h.name for h in spec.hypers if h.optional}
         for d in spec.derived:
             t, level = self.infer_declaration_expr(
                 d.expr, allowed=("hyperparameter", "flag", "derived flag"), what=f"flag '{d.name}'"
@@ -277,7 +302,7 @@ class _Checker:
                 self.check_compile_time_condition(s.condition, f"the condition of state '{s.name}'")
         for s in spec.scalars:
             self.declare(s.name, _Symbol("scalar state", Type.REAL, Level.HOST), s.loc)
-            self.check_initial_value(s.init, s.name)
+            self.check_initial_value(s.init, s.name, scalar=True)
         for r in spec.requires:
             t, _ = self.infer_declaration_expr(
                 r.condition, allowed=("hyperparameter", "flag", "derived flag"), what="a 'require' condition"
@@ -293,12 +318,24 @@ class _Checker:
         if iv.low > iv.high or (iv.low == iv.high and not (iv.low_closed and iv.high_closed)):
             raise self.error(f"the range {iv} of '{name}' is empty", loc)
 
-    def check_initial_value(self, init: ir.Expr, name: str) -> None:
+    def check_initial_value(self, init: ir.Expr, name: str, scalar: bool = False) -> None:
+        if isinstance(init, ir.Unary) and init.op == "neg" and isinstance(init.operand, (ir.Num, ir.Name)):
+            init = init.operand
         if isinstance(init, ir.Num):
             return
-        if isinstance(init, ir.Unary) and init.op == "neg" and isinstance(init.operand, ir.Num):
+        if isinstance(init, ir.Name) and init.id == "param":
+            if scalar:
+                raise self.error(
+                    f"scalar state '{name}' is one number per tensor, so it cannot start from 'param'", init.loc,
+                    hint="a per-element state can: 'state NAME = param'",
+                )
             return
         if isinstance(init, ir.Name) and self.symbols.get(init.id, _Symbol("", Type.REAL, Level.CONST)).kind == "hyperparameter":
+            if init.id in self.optional:
+                raise self.error(
+                    f"the initial value of '{name}' cannot be the optional hyperparameter '{init.id}': it may be none",
+                    init.loc,
+                )
             self.used.add(init.id)
             return
         if isinstance(init, ir.Name) and init.id not in self.symbols and init.id not in BUILTIN_FUNCTIONS:
@@ -307,9 +344,8 @@ class _Checker:
                 + did_you_mean(init.id, [h.name for h in self.spec.hypers]),
                 init.loc,
             )
-        raise self.error(
-            f"the initial value of '{name}' must be a number or a hyperparameter", init.loc
-        )
+        what = "a number or a hyperparameter" if scalar else "a number, a hyperparameter or 'param'"
+        raise self.error(f"the initial value of '{name}' must be {what}", init.loc)
 
     def infer_declaration_expr(self, expr: ir.Expr, allowed: tuple[str, ...], what: str) -> tuple[Type, Level]:
         """Type a derived flag or a 'require' (`what`, for messages): keywords only."""
@@ -318,6 +354,12 @@ class _Checker:
         declared_later.update({d.name: "a flag" for d in self.spec.derived})
         for n in _iter_names(expr):
             sym = self.symbols.get(n.id)
+            if n.id in self.optional:
+                raise self.error(
+                    f"'{n.id}' is an optional hyperparameter and may be none; {what} may test only given({n.id})",
+                    n.loc,
+                    hint=f"read its value in the update, under a flag such as 'flag has_{n.id} = given({n.id})'",
+                )
             if sym is not None and (sym.kind in allowed or sym.kind == "tuple keyword"):
                 continue  # allowed, or reported by infer() below with a better message
             if sym is not None:
@@ -335,7 +377,11 @@ class _Checker:
                 f"'{n.id}' is {kind}; {what} may use only hyperparameters and flags", n.loc,
                 hint="it is evaluated once, from the keywords, before any step",
             )
-        return self.infer(expr, env=set(), defined_somewhere=set())
+        self.allow_given = True
+        try:
+            return self.infer(expr, env=set(), defined_somewhere=set())
+        finally:
+            self.allow_given = False
 
     def check_compile_time_condition(self, cond: ir.Expr, what: str) -> None:
         for n in _iter_names(cond):
@@ -370,6 +416,10 @@ class _Checker:
                 "indexing is not element-wise: an element's update may read only its own param, grad and state",
                 expr.loc,
             )
+        if isinstance(expr, ir.Method):
+            return self.refuse_method(expr)
+        if isinstance(expr, ir.Given):
+            return self.infer_given(expr)
         if isinstance(expr, ir.Attribute):
             raise self.error(
                 f"'.{expr.attr}' is not allowed: an element's update may read only its own param, grad and state, "
@@ -406,6 +456,44 @@ class _Checker:
             return self.infer_call(expr, env, defined_somewhere, why)
         raise AssertionError(expr)
 
+    def refuse_method(self, expr: ir.Method):
+        name = expr.method
+        if name in REDUCTIONS:
+            raise self.error(
+                f"'.{name}()' is a reduction, and reductions are not element-wise: an element's update may read "
+                "only its own param, grad and state",
+                expr.loc,
+                hint=_REDUCTION_HINT,
+            )
+        if name in BUILTIN_FUNCTIONS:
+            raise self.error(
+                f"'.{name}()' is a method call; the built-in function is called as {name}(...)", expr.loc
+            )
+        raise self.error(
+            f"'.{name}()' is not allowed: an element's update may read only its own param, grad and state, "
+            "through the built-in functions",
+            expr.loc,
+        )
+
+    def infer_given(self, expr: ir.Given) -> tuple[Type, Level]:
+        if not self.allow_given:
+            raise self.error(
+                "given() may be used only in a derived flag or a 'require'",
+                expr.loc,
+                hint=f"declare 'flag has_{expr.name} = given({expr.name})' and test the flag with 'if'",
+            )
+        if expr.name not in self.optional:
+            if expr.name not in self.symbols:
+                raise self.error(f"unknown name '{expr.name}' in given()" + did_you_mean(expr.name, self.optional),
+                                 expr.loc)
+            raise self.error(
+                f"given() tests an optional hyperparameter (declared '= none'); '{expr.name}' is not one: "
+                "it always has a value",
+                expr.loc,
+            )
+        self.used.add(expr.name)
+        return Type.BOOL, Level.HOST
+
     def infer_name(self, expr: ir.Name, env, defined_somewhere, why) -> tuple[Type, Level]:
         name = expr.id
         if name in env:
@@ -435,6 +523,7 @@ class _Checker:
                     f"'{func}' combines several elements and is not element-wise; "
                     "an element's update may read only its own param, grad and state",
                     expr.func_loc,
+                    hint=_REDUCTION_HINT,
                 )
             if func in self.symbols or func in env:
                 raise self.error(f"'{func}' is not a function", expr.func_loc)
@@ -519,6 +608,14 @@ class _Checker:
         for stmt in specialize(self.spec.body, flags):
             sym_env = dict(env)
             t, level = self.infer(stmt.value, sym_env, self.temps_anywhere, why)
+            for n in _reads(stmt.value, flags):
+                if n.id in self.optional and n.id not in env and not self.given_in(n.id, flags):
+                    raise self.error(
+                        f"hyperparameter '{n.id}' may be none here{why}: the update may read it only where a "
+                        f"flag that tests given({n.id}) is true",
+                        n.loc,
+                        hint=self.given_hint(n.id),
+                    )
             for n in _iter_names(stmt.value):
                 if self.symbols.get(n.id) and self.symbols[n.id].kind == "state" and n.id not in present:
                     raise self.error(self.absent_state_message(n.id, why), n.loc)
@@ -551,6 +648,16 @@ class _Checker:
                 raise self.error(f"scalar state '{s.name}' is never updated{why}", s.loc,
                                  hint="remove it or assign it in the update")
 
+    def given_hint(self, name: str) -> str:
+        guard = next((d.name for d in self.spec.derived if _implies_given(d.expr, name)), None)
+        if guard is None:
+            return f"declare 'flag has_{name} = given({name})' and read it inside 'if has_{name} {{ ... }}'"
+        return f"read it only inside 'if {guard} {{ ... }}' (or where({guard}, ..., ...))"
+
+    def given_in(self, name: str, flags: dict[str, bool]) -> bool:
+        """Whether a derived flag that is true in `flags` implies given(name)."""
+        return any(flags.get(d.name) and _implies_given(d.expr, name) for d in self.spec.derived)
+
     def absent_state_message(self, name: str, why: str) -> str:
         state = next(s for s in self.spec.states if s.name == name)
         return f"state '{name}' does not exist here{why}: it is declared only if {print_expr(state.condition)}"
@@ -571,23 +678,27 @@ class _Checker:
         present = {s.name for s in states_present(self.spec, flags)}
         nonneg = {s.name: s for s in self.spec.states if s.nonneg and s.name in present}
         for s in nonneg.values():
-            low, _ = bounds.of(s.init)
-            if low < 0:
+            if bounds.of(s.init).lo < 0:
                 raise self.error(
                     f"state '{s.name}' is declared nonneg but its initial value can be negative",
                     s.init.loc, hint="remove 'nonneg' or start it at a value >= 0",
                 )
         for stmt in specialize(self.spec.body, flags):
-            low, high = bounds.of(stmt.value)
-            if stmt.target in nonneg and low < 0:
+            bounds.notes.clear()
+            r = bounds.of(stmt.value)
+            if stmt.target in nonneg and r.lo < 0:
+                hint = bounds.notes[-1] if bounds.notes else (
+                    "the proof knows the hyperparameters' ranges, step >= 1, nonneg states >= 0 and "
+                    f"{PROVEN_FORMS}; narrow a range, write the value in one of these forms, or remove 'nonneg' "
+                    "(int8 storage of a nonneg state uses an unsigned map that clamps at 0)"
+                )
                 raise self.error(
                     f"state '{stmt.target}' is declared nonneg, but this value can be negative{why}"
-                    f" (its lower bound is {ir.format_number(low)})",
+                    f" (its lower bound is {ir.format_number(r.lo)})",
                     stmt.value.loc,
-                    hint="int8 storage of a nonneg state uses an unsigned map that clamps at 0; remove 'nonneg' "
-                    "or narrow the ranges of the hyperparameters this value uses",
+                    hint=hint,
                 )
-            bounds.assign(stmt.target, (max(low, 0.0), high) if stmt.target in nonneg else (low, high))
+            bounds.assign(stmt.target, _Range(max(r.lo, 0.0), max(r.hi, 0.0), r.nan) if stmt.target in nonneg else r)
 
     def run(self) -> None:
         self.check_declarations()
@@ -618,132 +729,397 @@ class _Checker:
 _INF = math.inf
 
 
-def _mul_iv(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
-    products = []
-    for x in a:
-        for y in b:
-            products.append(0.0 if x == 0 or y == 0 else x * y)  # 0 * inf counts as 0 (a bound, not a value)
-    return min(products), max(products)
+@dataclass(frozen=True)
+class _Range:
+    """What the analysis knows of a value: every non-NaN value lies in [lo, hi]; `nan`: it may be NaN.
+
+    Bounds are never NaN (a bound computation that gives NaN, such as inf + -inf, means
+    unbounded on that side).  Zero's sign is not tracked: a range that reaches 0 may hold
+    -0.0, so dividing by it (or rsqrt of it) can give -inf.
+    """
+
+    lo: float
+    hi: float
+    nan: bool = False
+
+    @staticmethod
+    def of(lo: float, hi: float, nan: bool) -> "_Range":
+        return _Range(-_INF if math.isnan(lo) else lo, _INF if math.isnan(hi) else hi, nan)
+
+    def has(self, x: float) -> bool:
+        return self.lo <= x <= self.hi
+
+    def union(self, other: "_Range") -> "_Range":
+        return _Range(min(self.lo, other.lo), max(self.hi, other.hi), self.nan or other.nan)
+
+
+_ANY = _Range(-_INF, _INF, True)
+_UNIT = _Range(0.0, 1.0)  # booleans, and the weights of the moving averages below
+
+
+def _times(x: float, y: float) -> float:
+    return 0.0 if x == 0 or y == 0 else x * y  # 0 * inf counts as 0 (a bound, not a value: see `_mul`)
+
+
+def _mul(a: _Range, b: _Range) -> _Range:
+    products = [_times(x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+    # 0 * inf is NaN: the only value the 0-as-product bounds above leave out.
+    nan = a.nan or b.nan or (a.has(0) and math.isinf(max(-b.lo, b.hi))) or (b.has(0) and math.isinf(max(-a.lo, a.hi)))
+    return _Range.of(min(products), max(products), nan)
+
+
+def _add(a: _Range, b: _Range) -> _Range:
+    nan = a.nan or b.nan or (a.hi == _INF and b.lo == -_INF) or (a.lo == -_INF and b.hi == _INF)
+    return _Range.of(a.lo + b.lo, a.hi + b.hi, nan)
+
+
+def _neg(a: _Range) -> _Range:
+    return _Range(-a.hi, -a.lo, a.nan)
+
+
+def _monotone(f, a: _Range, low: float, high: float) -> _Range:
+    """An increasing function with values in [low, high], applied to a."""
+
+    def at(x: float, fallback: float) -> float:
+        try:
+            return f(x)
+        except (OverflowError, ValueError):
+            return fallback
+
+    return _Range.of(max(low, at(a.lo, low)), min(high, at(a.hi, high)), a.nan)
+
+
+def _min(a: _Range, b: _Range) -> _Range:
+    out = _Range(min(a.lo, b.lo), min(a.hi, b.hi), a.nan or b.nan)
+    # Where one side is NaN, min may give the other one (Triton's fminf does, torch gives NaN).
+    if a.nan:
+        out = out.union(b)
+    if b.nan:
+        out = out.union(a)
+    return out
+
+
+def _max(a: _Range, b: _Range) -> _Range:
+    return _neg(_min(_neg(a), _neg(b)))
+
+
+def _factors(e: ir.Expr) -> list[ir.Expr]:
+    """The factors of a product `a * b * c` (a single factor for anything else), left to right."""
+    out: list[ir.Expr] = []
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, ir.Binary) and x.op == "mul":
+            stack += [x.right, x.left]
+        else:
+            out.append(x)
+    return out
+
+
+def _remove(items: list[ir.Expr], wanted: list[ir.Expr]) -> Optional[list[ir.Expr]]:
+    """`items` less one occurrence of each of `wanted` (compared as trees), or None if one is missing."""
+    rest = list(items)
+    for w in wanted:
+        i = next((i for i, x in enumerate(rest) if x == w), None)
+        if i is None:
+            return None
+        rest.pop(i)
+    return rest
+
+
+def _const_value(e: ir.Expr) -> Optional[float]:
+    if isinstance(e, ir.Num):
+        return e.value
+    if isinstance(e, ir.Unary) and e.op == "neg":
+        v = _const_value(e.operand)
+        return None if v is None else -v
+    return None
+
+
+# The forms the proof knows, as the nonneg hint quotes them.
+PROVEN_FORMS = (
+    "squares (x * x, c * g * g, x ** 2), sqrt, abs, exp, sums and products of non-negative values, their "
+    "quotients by positive values, min of non-negative values, max with a non-negative side; the moving averages v + c * (x - v), v - c * (v - x) and (1 - c) * v + c * x; "
+    "and Yogi's v - c * sign(v - x) * x; each with c in [0, 1] and v, x non-negative"
+)
 
 
 class _Bounds:
-    """Interval analysis of a specialized update: [low, high] for every value.
+    """Interval analysis of a specialized update: a `_Range` for every value.
 
     Hyperparameters take their declared ranges, `step` is >= 1, nonneg states
     are >= 0, everything else per-element is unbounded.  A product is split
-    into its factors so that `c * g * g` is seen as `c * g²` (g² >= 0).
+    into its factors so that `c * g * g` is seen as `c * g²` (g² >= 0), and the
+    moving averages of `PROVEN_FORMS` are recognised (`_weighted_floor`).
+
+    What is proven is: every value that is not NaN is >= the lower bound.  A
+    nonneg state may hold NaN (inf - inf in `v + c * (x - v)`, say), as any state
+    may, and a NaN is not made worse by the unsigned int8 map.  Where NaN meets
+    min, max or clamp, the result may be the other operand (Triton's fminf) or
+    NaN (torch): both are covered.  The bounds are those of exact arithmetic on
+    the rounded inputs; fp32 rounding keeps a value >= 0 wherever the proof is
+    by signs (squares, sums and products of non-negative values) and can take a
+    moving average below 0 by at most an ulp of its inputs, far below an int8
+    code's step, where the unsigned map then stores 0.
     """
 
     def __init__(self, spec: ir.Spec, flags: dict[str, bool]) -> None:
         self.flags = flags
-        self.env: dict[str, tuple[float, float]] = {"step": (1.0, _INF)}
+        self.notes: list[str] = []
+        self.memo: dict[int, _Range] = {}  # id(expr) -> its range, until the next assignment
+        self.env: dict[str, _Range] = {"step": _Range(1.0, _INF)}
         for h in spec.hypers:
-            self.env[h.name] = (h.interval.low, h.interval.high)
+            self.env[h.name] = _Range(h.interval.low, h.interval.high)
         for s in spec.states:
-            self.env[s.name] = (0.0, _INF) if s.nonneg else (-_INF, _INF)
+            self.env[s.name] = _Range(0.0, _INF, True) if s.nonneg else _ANY
         for s in spec.scalars:
-            self.env[s.name] = (-_INF, _INF)
-        self.env["param"] = self.env["grad"] = (-_INF, _INF)
+            self.env[s.name] = _ANY
+        self.env["param"] = self.env["grad"] = _ANY
 
-    def assign(self, name: str, iv: tuple[float, float]) -> None:
-        self.env[name] = iv
+    def assign(self, name: str, r: _Range) -> None:
+        self.env[name] = r
+        self.memo.clear()
 
-    def of(self, e: ir.Expr) -> tuple[float, float]:
+    def of(self, e: ir.Expr) -> _Range:
+        known = self.memo.get(id(e))
+        if known is not None:
+            return known
+        try:
+            r = self._of(e)
+        except (OverflowError, ValueError, ZeroDivisionError):  # pragma: no cover - bounds are guarded
+            r = _ANY
+        self.memo[id(e)] = r
+        return r
+
+    def _of(self, e: ir.Expr) -> _Range:
         if isinstance(e, ir.Num):
-            return e.value, e.value
-        if isinstance(e, ir.BoolLit):
-            return 0.0, 1.0
+            return _Range(e.value, e.value)
+        if isinstance(e, (ir.BoolLit, ir.Given)):
+            return _UNIT
         if isinstance(e, ir.Name):
-            return self.env.get(e.id, (-_INF, _INF))
+            return self.env.get(e.id, _ANY)
         if isinstance(e, ir.Unary):
-            lo, hi = self.of(e.operand)
-            return (-hi, -lo) if e.op == "neg" else (0.0, 1.0)
+            return _neg(self.of(e.operand)) if e.op == "neg" else _UNIT
         if isinstance(e, ir.Binary):
             if e.op == "mul":
-                return self._product(e)
-            a, b = self.of(e.left), self.of(e.right)
-            if e.op == "add":
-                return a[0] + b[0], a[1] + b[1]
-            if e.op == "sub":
-                return a[0] - b[1], a[1] - b[0]
+                return self._product(_factors(e))
+            if e.op in ("add", "sub"):
+                a, b = self.of(e.left), self.of(e.right)
+                r = _add(a, b if e.op == "add" else _neg(b))
+                if r.lo < 0 and self._weighted_floor(e):
+                    r = _Range(0.0, max(r.hi, 0.0), r.nan)
+                return r
             if e.op == "div":
-                if b[0] > 0:
-                    return _mul_iv(a, (1.0 / b[1] if b[1] < _INF else 0.0, 1.0 / b[0]))
-                if a[0] >= 0 and b[0] >= 0:
-                    return 0.0, _INF
-                return -_INF, _INF
+                return self._quotient(self.of(e.left), self.of(e.right))
             if e.op == "pow":
-                return (0.0, _INF) if a[0] >= 0 else (-_INF, _INF)
-            return 0.0, 1.0  # comparisons and logic
+                return self._power(e)
+            return _UNIT  # comparisons and logic
         if isinstance(e, ir.Call):
-            args = [self.of(x) for x in e.args]
-            f = e.func
-            if f in ("sqrt", "rsqrt", "exp"):
-                return 0.0, _INF
-            if f == "abs":
-                lo, hi = args[0]
-                return (max(0.0, lo, -hi) if lo > 0 or hi < 0 else 0.0), max(abs(lo), abs(hi))
-            if f == "sign":
-                return -1.0, 1.0
-            if f == "min":
-                return min(args[0][0], args[1][0]), min(args[0][1], args[1][1])
-            if f == "max":
-                return max(args[0][0], args[1][0]), max(args[0][1], args[1][1])
-            if f == "clamp":  # min(max(x, lo), hi), also when lo > hi (then every value is hi)
-                (x_lo, x_hi), (lo_lo, lo_hi), (hi_lo, hi_hi) = args
-                return min(max(x_lo, lo_lo), hi_lo), min(max(x_hi, lo_hi), hi_hi)
-            if f == "where":
-                cond = e.args[0]
-                try:
-                    taken = eval_static(cond, self.flags)
-                except (AssertionError, KeyError):
-                    taken = None
-                if taken is True:
-                    return args[1]
-                if taken is False:
-                    return args[2]
-                return min(args[1][0], args[2][0]), max(args[1][1], args[2][1])
-            return -_INF, _INF  # log
-        return -_INF, _INF
+            return self._call(e)
+        return _ANY
 
-    def _product(self, e: ir.Expr) -> tuple[float, float]:
-        factors: list[ir.Expr] = []
+    def _quotient(self, a: _Range, b: _Range) -> _Range:
+        if b.lo > 0 or b.hi < 0:  # no zero in the divisor
+            recip = _Range(1.0 / b.hi if b.hi != _INF else 0.0, 1.0 / b.lo if b.lo != -_INF else 0.0)
+            if b.hi < 0:
+                recip = _Range(1.0 / b.hi, 1.0 / b.lo if b.lo != -_INF else 0.0)
+            r = _mul(a, recip)
+            inf_by_inf = math.isinf(max(-a.lo, a.hi)) and math.isinf(max(-b.lo, b.hi))
+            return _Range(r.lo, r.hi, a.nan or b.nan or inf_by_inf)
+        return _ANY  # x / 0 is inf of either sign (0 may be -0.0), 0 / 0 is NaN
 
-        def collect(x: ir.Expr) -> None:
-            if isinstance(x, ir.Binary) and x.op == "mul":
-                collect(x.left)
-                collect(x.right)
-            else:
-                factors.append(x)
+    def _power(self, e: ir.Binary) -> _Range:
+        a, b = self.of(e.left), self.of(e.right)
+        k = _const_value(e.right)
+        nan = a.nan or b.nan or a.lo < 0
+        if k == 0:
+            return _Range(1.0, 1.0)
+        if k is not None and float(k).is_integer() and k % 2 == 0:  # an even power: x ** 2, x ** -2
+            return _Range(0.0, _INF, a.nan)
+        if a.lo > 0 or (a.lo >= 0 and b.lo >= 0):  # (-0.0) ** -1 is -inf, hence a.lo > 0 for b < 0
+            return _Range(0.0, _INF, nan)
+        return _ANY
 
-        collect(e)
-        result = (1.0, 1.0)
+    def _call(self, e: ir.Call) -> _Range:
+        f = e.func
+        if f == "where":
+            try:
+                taken = eval_static(e.args[0], self.flags)
+            except (AssertionError, KeyError):
+                taken = None
+            if taken is True:
+                return self.of(e.args[1])
+            if taken is False:
+                return self.of(e.args[2])
+            return self.of(e.args[1]).union(self.of(e.args[2]))
+        args = [self.of(x) for x in e.args]
+        if f == "min" and len(args) == 2:
+            return _min(*args)
+        if f == "max" and len(args) == 2:
+            return _max(*args)
+        if f == "clamp" and len(args) == 3:  # min(max(x, lo), hi), also when lo > hi (then every value is hi)
+            return _min(_max(args[0], args[1]), args[2])
+        if len(args) != 1:
+            if f == "atan2" and len(args) == 2:
+                return _Range(-math.pi, math.pi, args[0].nan or args[1].nan)
+            return _ANY
+        a = args[0]
+        if f == "sqrt":
+            if a.hi < 0:
+                return _Range(0.0, 0.0, True)  # every value is NaN
+            return _Range(math.sqrt(max(a.lo, 0.0)), math.sqrt(a.hi), a.nan or a.lo < 0)
+        if f == "rsqrt":
+            if a.lo > 0:  # rsqrt(-0.0) is -inf, so 0 may not be in the range
+                return _Range(1.0 / math.sqrt(a.hi), 1.0 / math.sqrt(a.lo), a.nan)
+            return _ANY
+        if f == "exp":
+            return _monotone(math.exp, a, 0.0, _INF)
+        if f == "log":
+            lo = math.log(a.lo) if a.lo > 0 else -_INF
+            hi = math.log(a.hi) if a.hi > 0 else -_INF
+            return _Range(lo, hi, a.nan or a.lo < 0)
+        if f == "abs":
+            lo = 0.0 if a.has(0) else min(abs(a.lo), abs(a.hi))
+            return _Range(lo, max(abs(a.lo), abs(a.hi)), a.nan)
+        if f == "sign":  # sign(NaN) is NaN (torch) or 0
+            lo = -1.0 if a.lo < 0 else (0.0 if a.lo == 0 or a.nan else 1.0)
+            hi = 1.0 if a.hi > 0 else (0.0 if a.hi == 0 or a.nan else -1.0)
+            return _Range(lo, hi, a.nan)
+        if f == "tanh" or f == "erf":
+            return _monotone(math.tanh if f == "tanh" else math.erf, a, -1.0, 1.0)
+        if f == "atan":
+            return _monotone(math.atan, a, -math.pi / 2, math.pi / 2)
+        if f == "expm1":
+            return _monotone(math.expm1, a, -1.0, _INF)
+        if f == "log1p":
+            lo = math.log1p(a.lo) if a.lo > -1 else -_INF
+            hi = math.log1p(a.hi) if a.hi > -1 else -_INF
+            return _Range(lo, hi, a.nan or a.lo < -1)
+        return _ANY
+
+    def _product(self, factors: list[ir.Expr]) -> _Range:
+        result = _Range(1.0, 1.0)
         remaining = list(factors)
         while remaining:
             f = remaining.pop(0)
             twin = next((i for i, g in enumerate(remaining) if g == f), None)
             if twin is not None:  # f * f >= 0
                 remaining.pop(twin)
-                lo, hi = self.of(f)
-                square_hi = max(lo * lo, hi * hi)
-                square_lo = 0.0 if lo <= 0 <= hi else min(lo * lo, hi * hi)
-                result = _mul_iv(result, (square_lo, square_hi))
+                r = self.of(f)
+                hi = max(_times(r.lo, r.lo), _times(r.hi, r.hi))
+                lo = 0.0 if r.has(0) else min(_times(r.lo, r.lo), _times(r.hi, r.hi))
+                result = _mul(result, _Range(lo, hi, r.nan))
             else:
-                result = _mul_iv(result, self.of(f))
+                result = _mul(result, self.of(f))
         return result
+
+    def _weighted_floor(self, e: ir.Binary) -> bool:
+        """Whether `e` is one of the moving averages of `PROVEN_FORMS`, hence >= 0.
+
+        `v + P` or `P + v` where the factors of P are (x - v) and weights whose product
+        is in [0, 1]; `v - P` with (v - x); Yogi's `v - P` with sign(v - x) and x's own
+        factors (`v + P` with sign(x - v)).  With v, x >= 0 each is a mix of v and x (or
+        moves v towards 0 by less than x when v > x).  The two reads of v are one value:
+        the lowering computes equal subexpressions once.
+        """
+        terms = [(e.left, e.right)] if e.op == "sub" else [(e.left, e.right), (e.right, e.left)]
+        for v, p in terms:
+            factors = _factors(p)
+            for i, f in enumerate(factors):
+                rest = factors[:i] + factors[i + 1:]
+                x = None
+                if isinstance(f, ir.Binary) and f.op == "sub":
+                    # v + c * (x - v) ; v - c * (v - x)
+                    if e.op == "add" and f.right == v:
+                        x = f.left
+                    elif e.op == "sub" and f.left == v:
+                        x = f.right
+                elif isinstance(f, ir.Call) and f.func == "sign" and len(f.args) == 1:
+                    d = f.args[0]
+                    if isinstance(d, ir.Binary) and d.op == "sub":
+                        # v - c * sign(v - x) * x ; v + c * sign(x - v) * x
+                        if e.op == "sub" and d.left == v:
+                            x = d.right
+                        elif e.op == "add" and d.right == v:
+                            x = d.left
+                        if x is not None:
+                            rest = _remove(rest, _factors(x))
+                            if rest is None:
+                                continue
+                if x is None:
+                    continue
+                weight = self._product(rest)
+                form = print_expr(e)
+                rv, rx = self.of(v), self.of(x)
+                if rv.lo < 0 or rx.lo < 0:
+                    side, r = (print_expr(v), rv) if rv.lo < 0 else (print_expr(x), rx)
+                    self.notes.append(
+                        f"'{form}' is a moving average, non-negative when its two ends are; "
+                        f"'{side}' can be negative (its lower bound is {ir.format_number(r.lo)})"
+                    )
+                    continue
+                if weight.lo < 0 or weight.hi > 1:
+                    what = " * ".join(print_expr(w) for w in rest) or "1"
+                    self.notes.append(
+                        f"'{form}' is a moving average, non-negative when its weight is in [0, 1]; "
+                        f"'{what}' is in [{ir.format_number(weight.lo)}, {ir.format_number(weight.hi)}]"
+                    )
+                    continue
+                return True
+        return False
+
+
+def _children(expr: ir.Expr) -> tuple[ir.Expr, ...]:
+    if isinstance(expr, ir.Unary):
+        return (expr.operand,)
+    if isinstance(expr, ir.Binary):
+        return (expr.left, expr.right)
+    if isinstance(expr, ir.Call):
+        return expr.args
+    if isinstance(expr, ir.Index):
+        return (expr.base,) + expr.indices
+    if isinstance(expr, ir.Attribute):
+        return (expr.base,)
+    if isinstance(expr, ir.Method):
+        return (expr.base,) + expr.args
+    return ()
 
 
 def _iter_names(expr: ir.Expr) -> Iterator[ir.Name]:
-    if isinstance(expr, ir.Name):
-        yield expr
-    elif isinstance(expr, ir.Unary):
-        yield from _iter_names(expr.operand)
-    elif isinstance(expr, ir.Binary):
-        yield from _iter_names(expr.left)
-        yield from _iter_names(expr.right)
-    elif isinstance(expr, ir.Call):
-        for a in expr.args:
-            yield from _iter_names(a)
+    """Every name `expr` reads, left to right."""
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, ir.Name):
+            yield e
+        stack.extend(reversed(_children(e)))
+
+
+def _reads(expr: ir.Expr, flags: dict[str, bool]) -> Iterator[ir.Name]:
+    """The names `expr` reads when the flags have these values: a where() on flags reads one branch."""
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, ir.Name):
+            yield e
+        elif isinstance(e, ir.Call) and e.func == "where" and len(e.args) == 3:
+            try:
+                taken = eval_static(e.args[0], flags)
+            except (AssertionError, KeyError, TypeError, ValueError):
+                stack.extend(reversed(e.args))
+            else:
+                stack.append(e.args[1] if taken else e.args[2])
+        else:
+            stack.extend(reversed(_children(e)))
+
+
+def _implies_given(expr: ir.Expr, name: str) -> bool:
+    """Whether `expr` can be true only when given(name) is: given(name), or a conjunction with it."""
+    if isinstance(expr, ir.Given):
+        return expr.name == name
+    if isinstance(expr, ir.Binary) and expr.op == "and":
+        return _implies_given(expr.left, name) or _implies_given(expr.right, name)
+    return False
 
 
 def check_spec(spec: ir.Spec) -> ir.Spec:

@@ -2,7 +2,8 @@
 
 `resolve_hypers(spec, kwargs)` applies defaults, unpacks tuple keywords (torch's
 `betas=(0.9, 0.999)` sets the scalar hyperparameters `beta1` and `beta2`; the
-members may also be passed by their own names), checks ranges the way
+members may also be passed by their own names), lets an optional hyperparameter
+(`hyper t = none`) be None, its default, checks ranges the way
 torch.optim does (a `ValueError` naming the keyword and its range), evaluates
 derived flags and `require` checks, and picks the flag combination to run.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from . import ir
 from .checker import Combo
@@ -27,12 +28,14 @@ class StepConfig:
     """Resolved keywords for one call.
 
     Attributes:
-        hypers: every real hyperparameter by its scalar name (tuple members unpacked).
+        hypers: every real hyperparameter by its scalar name (tuple members unpacked); None for an
+            optional one (`hyper t = none`) not given, which the update then does not read (the
+            checker proves it: only flag combinations with a true `given(t)` flag read it).
         flags: every flag and derived flag.
         combo: the flag combination, in `checker.combinations` order.
     """
 
-    hypers: dict[str, float]
+    hypers: dict[str, Optional[float]]
     flags: dict[str, bool]
     combo: Combo
 
@@ -41,6 +44,8 @@ def eval_host_expr(expr: ir.Expr, values: Mapping[str, Any]):
     """Evaluate an expression over hyperparameters and flags (Python floats and bools)."""
     if isinstance(expr, (ir.Num, ir.BoolLit)):
         return expr.value
+    if isinstance(expr, ir.Given):
+        return values[expr.name] is not None
     if isinstance(expr, ir.Name):
         return values[expr.id]
     if isinstance(expr, ir.Unary):
@@ -81,7 +86,7 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
                 + f" (its keywords are: {', '.join(spec.keyword_defaults())})"
             )
 
-    values: dict[str, float] = {}
+    values: dict[str, Optional[float]] = {}
     for g in groups.values():
         if g.name not in kwargs:
             continue
@@ -96,7 +101,9 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
                 raise TypeError(f"{caller}() got both '{g.name}' and its member '{member}'; pass one of them")
             values[member] = _as_number(spec, f"{g.name}[{i}] ({member})", v)
     for name, h in hypers.items():
-        if name in kwargs:
+        if h.optional and kwargs.get(name) is None:
+            values[name] = None
+        elif name in kwargs:
             values[name] = _as_number(spec, name, kwargs[name])
         elif name not in values:
             if h.default is None:
@@ -104,7 +111,7 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
             values[name] = h.default
     for name, h in hypers.items():
         v = values[name]
-        if not h.interval.contains(v):
+        if v is not None and not h.interval.contains(v):
             label = f"{h.group}[{h.index}] ({name})" if h.group else name
             raise ValueError(f"Invalid {label}: {_show(v)}; {spec.name} expects a value in {h.interval}")
 

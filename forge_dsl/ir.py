@@ -89,7 +89,28 @@ class Attribute:
     loc: Loc = _loc()
 
 
-Expr = Union[Num, BoolLit, Name, Unary, Binary, Call, Index, Attribute]
+@dataclass(frozen=True)
+class Method:
+    """`x.norm()`, `x.mean(0)`: parsed only to be refused with a clear message (not element-wise)."""
+
+    base: "Expr"
+    method: str
+    args: tuple["Expr", ...]
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Given:
+    """`given(name)`: whether the optional hyperparameter `name` (declared `= none`) has a value.
+
+    Allowed only in derived flags and `require` conditions; see `Hyper.optional`.
+    """
+
+    name: str
+    loc: Loc = _loc()
+
+
+Expr = Union[Num, BoolLit, Name, Unary, Binary, Call, Index, Attribute, Method, Given]
 
 ARITHMETIC_OPS = ("add", "sub", "mul", "div", "pow")
 COMPARISON_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
@@ -135,10 +156,18 @@ UNBOUNDED = Interval()
 
 @dataclass(frozen=True)
 class Hyper:
-    """A real hyperparameter; `default` None means the keyword is required.
+    """A real hyperparameter; `default` None means the keyword is required, unless `optional`.
 
     A member of a tuple keyword (torch's `betas=(b1, b2)`) has `group` set to
     the tuple's name and `index` to its position in it.
+
+    `optional` (written `hyper t = none in [1, inf)`, like AdEMAMix's
+    `t_alpha_beta3=None`): the keyword accepts None, which is also its default
+    (`default` is None).  `config.resolve_hypers` then gives it the value None,
+    and a derived flag `flag has_t = given(t)` tells whether it has a value.  The
+    checker proves that the update reads it only in flag combinations where such a
+    flag is true, and that nothing else (derived flags, `require`, initial values)
+    reads its value, so no stage ever computes with None.
     """
 
     name: str
@@ -146,6 +175,7 @@ class Hyper:
     interval: Interval = UNBOUNDED
     group: Optional[str] = None
     index: Optional[int] = None
+    optional: bool = False
     loc: Loc = _loc()
 
 
@@ -181,16 +211,36 @@ class DerivedFlag:
 class State:
     """Per-element optimizer state, shaped like the parameter.
 
-    `init` is a number or a hyperparameter name; `nonneg` declares that it never
-    goes below zero (int8 layouts then use the unsigned map); `condition`, a
-    flag expression, says when the state exists at all.
+    `init`, the value every element starts at, is one of (checked by the checker):
+      * `Num(v)` or `Unary('neg', Num(v))`: the number v (or -v);
+      * `Name(h)` or `Unary('neg', Name(h))`: hyperparameter h's value (or its negation);
+      * `Name('param')` or `Unary('neg', Name('param'))`: a copy of the weight (or its
+        negation), element by element, taken when the state is created (schedule-free
+        AdamW's z, MADGRAD's x0); see `starts_from_param`.
+    `nonneg` declares that it never goes below zero (int8 layouts then use the
+    unsigned map); `exact` (written `state z = param exact`) that it must be stored
+    exactly: in fp32, never in a bf16 or int8 layout; `condition`, a flag
+    expression, says when the state exists at all.
     """
 
     name: str
     init: Expr
     nonneg: bool = False
     condition: Optional[Expr] = None
+    exact: bool = False
     loc: Loc = _loc()
+
+    @property
+    def starts_from_param(self) -> bool:
+        """True when `init` is `param` or `-param`: the state starts as (minus) a copy of the weight."""
+        e = self.init.operand if isinstance(self.init, Unary) and self.init.op == "neg" else self.init
+        return isinstance(e, Name) and e.id == "param"
+
+    @property
+    def must_stay_exact(self) -> bool:
+        """Whether every layout must keep this state in fp32: declared `exact`, or it starts
+        from `param` (it holds weight-like values, which a bf16 or int8 code would ruin)."""
+        return self.exact or self.starts_from_param
 
 
 @dataclass(frozen=True)

@@ -295,21 +295,23 @@ def _lower_cached(spec: ir.Spec, combo: Combo) -> Lowered:
             return Operand(node.input_kind, node.name)
         return Operand("host" if node.level <= Level.HOST else "elem", name_of(node))
 
-    # Topological order from the outputs (depth-first, args before users, first use first).
+    # Topological order from the outputs (depth-first, args before users, first use first),
+    # with an explicit stack: a chain of thousands of temporaries is a DAG that deep.
     order: list[_Node] = []
     seen: set[int] = set()
-
-    def visit(node: _Node) -> None:
-        if node.id in seen:
-            return
-        seen.add(node.id)
-        for a in node.args:
-            visit(a)
-        if node.kind == "op":
-            order.append(node)
-
-    for _, node in element_outputs + scalar_outputs:
-        visit(node)
+    for _, root in element_outputs + scalar_outputs:
+        stack = [(root, False)]
+        while stack:
+            node, args_done = stack.pop()
+            if args_done:
+                if node.kind == "op":
+                    order.append(node)
+                continue
+            if node.id in seen:
+                continue
+            seen.add(node.id)
+            stack.append((node, True))
+            stack.extend((a, False) for a in reversed(node.args))
 
     host_nodes = [n for n in order if n.level <= Level.HOST]
     elem_nodes = [n for n in order if n.level == Level.ELEMENT]
@@ -329,19 +331,15 @@ def _lower_cached(spec: ir.Spec, combo: Combo) -> Lowered:
         export(node)
 
     # Host program: only what exports and scalar updates need.
+    by_id = {n.id: n for n in graph.nodes.values()}
     needed: set[int] = set()
-
-    def need(node: _Node) -> None:
+    pending = [by_id[i] for i in export_ids] + [node for _, node in scalar_outputs]
+    while pending:
+        node = pending.pop()
         if node.id in needed or node.level > Level.HOST:
-            return
+            continue
         needed.add(node.id)
-        for a in node.args:
-            need(a)
-
-    for node_id in export_ids:
-        need(next(n for n in graph.nodes.values() if n.id == node_id))
-    for _, node in scalar_outputs:
-        need(node)
+        pending.extend(node.args)
 
     host = tuple(
         Instr(name_of(n), n.op, tuple(operand(a) for a in n.args), n.type) for n in host_nodes if n.id in needed

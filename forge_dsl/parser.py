@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import unicodedata
 from importlib import resources
 from typing import Optional
 
@@ -47,7 +48,7 @@ _TOKEN_WORDS = {
     "$END": "the end of the file",
 }
 # Terminals that can start an expression, and operators that can follow one.
-_EXPR_START = {"NAME", "NUMBER", "LPAR", "MINUS", "PLUS", "TRUE", "FALSE", "INF", "NOT"}
+_EXPR_START = {"NAME", "NUMBER", "LPAR", "MINUS", "PLUS", "TRUE", "FALSE", "INF", "NOT", "GIVEN"}
 _OPERATORS = {"PLUS", "MINUS", "STAR", "SLASH", "COMPARE", "AND", "OR", "DOT", "LSQB", "LPAR"}
 _BRACKETS = {"LPAR": ("(", ")"), "LSQB": ("[", "]"), "LBRACE": ("{", "}")}
 _CLOSERS = {"RPAR": "LPAR", "RSQB": "LSQB", "RBRACE": "LBRACE"}
@@ -136,6 +137,11 @@ def _end_loc(path: str, source: str) -> Loc:
     return Loc(path, len(lines), len(lines[-1]) + 1)
 
 
+def _closes(closer: str, opener: str) -> bool:
+    # A range may mix its brackets (`[0, inf)`): ')' and ']' each close '(' or '['.
+    return opener == "LBRACE" if closer == "RBRACE" else opener in ("LPAR", "LSQB")
+
+
 def _unclosed_bracket(source: str) -> Optional[Token]:
     """The innermost '(', '[' or '{' that is never closed, if any."""
     stack: list[Token] = []
@@ -143,7 +149,7 @@ def _unclosed_bracket(source: str) -> Optional[Token]:
         for tok in _parser().lex(source):
             if tok.type in _BRACKETS:
                 stack.append(tok)
-            elif tok.type in _CLOSERS and stack and stack[-1].type == _CLOSERS[tok.type]:
+            elif tok.type in _CLOSERS and stack and _closes(tok.type, stack[-1].type):
                 stack.pop()
     except lark.exceptions.LarkError:
         return None
@@ -154,6 +160,10 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) 
     line, col = getattr(err, "line", 1) or 1, getattr(err, "column", 1) or 1
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
         char = source[err.pos_in_stream] if err.pos_in_stream < len(source) else "?"
+        if char == '"':
+            bad = _bad_string_character(source, err.pos_in_stream)
+            if bad is not None:
+                return _string_character_error(path, source, bad)
         shown = f"'{char}'" if char.isprintable() else f"U+{ord(char):04X}"
         loc = Loc(path, line, col, line, col + 1)
         hint = 'a string is written "like this", on one line and without backslashes' if char == '"' else None
@@ -163,6 +173,13 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) 
         expected = _accepted(err)
         if tok.type == "$END":
             loc = _end_loc(path, source)
+            if "UPDATE" in expected:  # between declarations: nothing is open, the block is missing
+                return SpecError(
+                    "syntax error: the spec has no update block",
+                    loc,
+                    source,
+                    hint="a spec ends with its update, e.g. `update { param = param - lr * grad }`",
+                )
             opener = _unclosed_bracket(source)
             if opener is not None and not ("NAME" in expected and "NUMBER" in expected):
                 closer = _BRACKETS[opener.type][1]
@@ -221,6 +238,40 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) 
     if isinstance(err, lark.exceptions.UnexpectedEOF):
         return SpecError("syntax error: unexpected end of file", _end_loc(path, source), source)
     return SpecError(f"syntax error: {err}", Loc(path, line, col), source)
+
+
+def _bad_string_character(source: str, quote: int) -> Optional[int]:
+    """The position of the first character a string may not hold, in the string opened at `quote`."""
+    for i in range(quote + 1, len(source)):
+        c = source[i]
+        if c in '"\n':  # the end of the string, or an unterminated one (reported as such)
+            return None
+        if c == "\\" or not _string_character_ok(c):
+            return i
+    return None
+
+
+def _string_character_ok(c: str) -> bool:
+    if c == "\t":
+        return True
+    return unicodedata.category(c) not in ("Cc", "Cs", "Zl", "Zp")
+
+
+def _string_character_error(path: str, source: str, pos: int) -> SpecError:
+    line = source.count("\n", 0, pos) + 1
+    col = pos - (source.rfind("\n", 0, pos) + 1) + 1
+    c = source[pos]
+    if c == "\\":
+        what = "a backslash: strings have no escapes"
+    else:
+        what = f"the control character U+{ord(c):04X}"
+    return SpecError(
+        f"syntax error: a string may not contain {what}",
+        Loc(path, line, col, line, col + 1),
+        source,
+        hint='a string is written "like this", on one line, with printable characters (tabs allowed) and '
+        "without backslashes",
+    )
 
 
 def _tree_depth(tree: lark.Tree) -> tuple[int, Optional[lark.Tree]]:
@@ -310,13 +361,16 @@ class _ToIR(Transformer):
     def hyper(self, meta, children):
         name, rest = children[0], children[1:]
         default: Optional[float] = None
+        optional = False
         interval = ir.UNBOUNDED
         for item in rest:
             if isinstance(item, ir.Interval):
                 interval = item
+            elif isinstance(item, Token):  # NONE
+                optional = True
             else:
                 default = item
-        return ir.Hyper(str(name), default, interval, loc=_token_loc(self.path, name))
+        return ir.Hyper(str(name), default, interval, optional=optional, loc=_token_loc(self.path, name))
 
     @v_args(meta=True)
     def component(self, meta, children):
@@ -346,9 +400,15 @@ class _ToIR(Transformer):
     @v_args(meta=True)
     def state(self, meta, children):
         name, init = children[0], children[1]
-        nonneg = any(isinstance(c, Token) and c.type == "NONNEG" for c in children[2:])
-        conds = [c for c in children[2:] if not (isinstance(c, Token) and c.type == "NONNEG")]
-        return ir.State(str(name), init, nonneg, conds[0] if conds else None, loc=_token_loc(self.path, name))
+        modifiers = [c for c in children[2:] if isinstance(c, Token) and c.type in ("NONNEG", "EXACT")]
+        conds = [c for c in children[2:] if not (isinstance(c, Token) and c.type in ("NONNEG", "EXACT"))]
+        seen: set[str] = set()
+        for tok in modifiers:
+            if tok.value in seen:
+                raise SpecError(f"'{tok.value}' is written twice", _token_loc(self.path, tok), self.source)
+            seen.add(tok.value)
+        return ir.State(str(name), init, "nonneg" in seen, conds[0] if conds else None, exact="exact" in seen,
+                        loc=_token_loc(self.path, name))
 
     @v_args(meta=True)
     def scalar(self, meta, children):
@@ -414,6 +474,15 @@ class _ToIR(Transformer):
     @v_args(meta=True)
     def index(self, meta, children):
         return ir.Index(children[0], tuple(children[1:]), loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def method(self, meta, children):
+        args = tuple(c for c in children[2:] if c is not None)
+        return ir.Method(children[0], str(children[1]), args, loc=self._loc(meta))
+
+    @v_args(meta=True)
+    def given(self, meta, children):
+        return ir.Given(str(children[0]), loc=self._loc(meta))
 
     @v_args(meta=True)
     def attribute(self, meta, children):

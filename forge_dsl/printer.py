@@ -51,6 +51,13 @@ def print_expr(e: ir.Expr) -> str:
         return f"{e.func}({', '.join(print_expr(a) for a in e.args)})"
     if isinstance(e, ir.Index):
         return f"{_wrap(e.base, _ATOM)}[{', '.join(print_expr(a) for a in e.indices)}]"
+    if isinstance(e, ir.Given):
+        return f"given({e.name})"
+    if isinstance(e, ir.Method):
+        base = _wrap(e.base, _ATOM)
+        if isinstance(e.base, ir.Num):
+            base = f"({base})"
+        return f"{base}.{e.method}({', '.join(print_expr(a) for a in e.args)})"
     if isinstance(e, ir.Attribute):
         base = _wrap(e.base, _ATOM)
         if isinstance(e.base, ir.Num):  # `2.sum` would read as the number `2.` then `sum`
@@ -120,7 +127,7 @@ def print_spec(spec: ir.Spec) -> str:
     by_name = {h.name: h for h in spec.hypers}
     for h in spec.hypers:
         if h.group is None:
-            default = f" = {_number(h.default)}" if h.default is not None else ""
+            default = " = none" if h.optional else f" = {_number(h.default)}" if h.default is not None else ""
             lines.append(f"hyper {h.name}{default}{_interval(h.interval)}")
         elif h.group not in emitted_groups:
             g = groups[h.group]
@@ -135,6 +142,8 @@ def print_spec(spec: ir.Spec) -> str:
         text = f"state {s.name} = {print_expr(s.init)}"
         if s.nonneg:
             text += " nonneg"
+        if s.exact:
+            text += " exact"
         if s.condition is not None:
             text += f" if {print_expr(s.condition)}"
         lines.append(text)

@@ -1,4 +1,7 @@
-"""Fuzzing the front end: any text either loads or raises SpecError, never anything else.
+"""Fuzzing the front end: any text either raises SpecError, or loads, renders and compiles.
+
+A text that loads (`check_spec`) must also render (`codegen.render_module`), and
+the module must compile as Python: nothing else may escape.
 
 Two generators: (a) random text, from printable characters and from a token-ish
 alphabet of the language's keywords, operators and names; (b) the shipped specs
@@ -10,6 +13,7 @@ Inputs that once crashed the front end are kept as regression cases at the end.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import string
@@ -20,23 +24,54 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forge_dsl.checker import check_spec
+from forge_dsl.codegen import render_module
 from forge_dsl.errors import SpecError
 from forge_dsl.parser import parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = {p.name: p.read_text() for p in sorted((ROOT / "optimizers").glob("*.fopt"))}
+# Specs in the newer syntax (states from param, exact, optional hyperparameters, the newer
+# functions, the moving averages the nonneg proof knows), so that mutants exercise it too.
+SPECS["idioms.fopt"] = """\
+optimizer idioms "states from the weights; an optional ramp"
+hyper lr = 1e-3 in [0, inf)
+hyper betas = (beta1 = 0.9, beta2 = 0.999) in [0, 1)
+hyper t_warm = none in [1, inf)
+flag has_warm = given(t_warm)
+flag maximize = false
+require given(t_warm) or lr < 1, "lr must be below 1 without t_warm"
+state z = param
+state x0 = -param exact
+state v = 0 nonneg
+state y = 0 nonneg exact
+update {
+    g = where(maximize, -grad, grad)
+    v = v + (1 - beta2) * (g * g - v)
+    y = y - (1 - beta1) * sign(y - g * g) * g * g
+    if has_warm {
+        ramp = min(step / t_warm, 1)
+    } else {
+        ramp = 1
+    }
+    z = z - lr * ramp * tanh(g) / (sqrt(v) + atan(1e-8) + erf(1))
+    param = z + x0 * expm1(log1p(beta1)) + atan2(beta1, beta2) * 0
+    x0 = x0 + 0 * y
+}
+"""
 
 KEYWORDS = [
-    "optimizer", "hyper", "flag", "state", "scalar", "require", "update", "nonneg", "in", "if", "else",
-    "and", "or", "not", "true", "false", "inf",
+    "optimizer", "hyper", "flag", "state", "scalar", "require", "update", "nonneg", "exact", "none", "given",
+    "in", "if", "else", "and", "or", "not", "true", "false", "inf",
 ]
 OPERATORS = ["=", "==", "!=", "<", "<=", ">", ">=", "+", "-", "*", "/", "**", "(", ")", "[", "]", "{", "}", ",", "."]
 NAMES = [
     "param", "grad", "step", "lr", "beta1", "beta2", "betas", "eps", "m", "v", "g", "x", "amsgrad", "maximize",
     "sqrt", "rsqrt", "abs", "sign", "exp", "log", "min", "max", "clamp", "where", "sum", "norm", "lambda", "tl",
-    "_x", "a__b", "spec",
+    "_x", "a__b", "spec", "atan", "atan2", "tanh", "erf", "log1p", "expm1", "t_warm", "has_warm", "z", "tf32",
+    "mean", ".norm()", ".mean(0)", "given(t_warm)",
 ]
-LITERALS = ["0", "1", "0.9", "1e-8", "2", ".5", "1e999", '"doc"', "# comment\n", "\n", " ", "\t"]
+LITERALS = ["0", "1", "0.9", "1e-8", "2", ".5", "1e999", '"doc"', '"a\x00b"', '"\\"', "# comment\n", "\n", " ",
+            "\t", "\x00"]
 TOKENS = KEYWORDS + OPERATORS + NAMES + LITERALS
 
 # Examples are small; the whole file runs in about ten seconds.  Set
@@ -49,11 +84,20 @@ FAST = settings(
 
 
 def load_or_spec_error(text: str) -> None:
-    """Parse and check `text`; only SpecError may escape (and it must render)."""
+    """Parse and check `text`; only SpecError may escape (and it must render).  A spec that
+    loads must render into a module that compiles."""
     try:
-        check_spec(parse_spec(text, "fuzz.fopt"))
+        spec = check_spec(parse_spec(text, "fuzz.fopt"))
     except SpecError as err:
         assert str(err).startswith("fuzz.fopt:") or not err.loc
+        return
+    _render_and_compile(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _render_and_compile(spec) -> None:
+    # Cached by the spec (IR equality ignores layout): most loading mutants are one of a few specs.
+    compile(render_module(spec), "fuzz.py", "exec")
 
 
 # (a) random text ------------------------------------------------------------
@@ -113,7 +157,7 @@ def _mutate_chars(text: str, data) -> str:
             chars[i], chars[j] = chars[j], chars[i]
             text = "".join(chars)
         else:
-            c = data.draw(st.sampled_from(list("(){}[]=+-*/<>.,#\"\n _0a") + ["\x00", "é", "\t"]))
+            c = data.draw(st.sampled_from(list("(){}[]=+-*/<>.,#\"\n _0a\\") + ["\x00", "é", "\t", "\x1b", "\u2028"]))
             text = text[:i] + c + text[i:]
     return text
 
@@ -142,7 +186,7 @@ def _mutate_tokens(text: str, data) -> str:
 
 
 BINARY_OPERATORS = ["+", "-", "*", "/", "**", "==", "!=", "<", "<=", ">", ">=", "and", "or"]
-NAME_LIKE = NAMES + ["true", "false", "inf", "not"]
+NAME_LIKE = NAMES + ["true", "false", "inf", "not", "none", "exact", "nonneg", "param"]
 NUMBERS = ["0", "1", "2", "0.5", "1e-3", "1e999", "inf"]
 
 

@@ -143,6 +143,10 @@ def _extend_any(e):
         ),
         st.tuples(e, st.lists(e, min_size=1, max_size=2)).map(lambda a: ir.Index(a[0], tuple(a[1]))),
         st.tuples(e, st.sampled_from(["sum", "T", "x"])).map(lambda a: ir.Attribute(*a)),
+        st.tuples(e, st.sampled_from(["norm", "mean", "abs"]), st.lists(e, max_size=2)).map(
+            lambda a: ir.Method(a[0], a[1], tuple(a[2]))
+        ),
+        NAMES.map(ir.Given),
     )
 
 
@@ -174,21 +178,23 @@ def intervals(draw):
 
 @SETTINGS
 @given(defaults, intervals(), st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=2, max_size=4),
-       intervals(), st.booleans(), st.booleans(), st.text("abc xyz()<>=,.", max_size=20))
-def test_random_declarations_roundtrip(default, interval, members, group_interval, nonneg, flag, doc):
+       intervals(), st.booleans(), st.booleans(), st.text("abc xyz()<>=,.\t", max_size=20), st.booleans(),
+       st.sampled_from([ir.Name("param"), ir.Unary("neg", ir.Name("param")), ir.Num(0.0), ir.Name("lr")]))
+def test_random_declarations_roundtrip(default, interval, members, group_interval, nonneg, flag, doc, exact, init):
     spec = ir.Spec(
         name="decls",
         doc=doc,
-        hypers=(ir.Hyper("lr", default, interval),)
+        hypers=(ir.Hyper("lr", default, interval), ir.Hyper("t", None, interval, optional=True))
         + tuple(
             ir.Hyper(f"b{i}", v, group_interval, group="bs", index=i) for i, v in enumerate(members)
         ),
         groups=(ir.HyperGroup("bs", tuple(f"b{i}" for i in range(len(members))), group_interval),),
         flags=(ir.Flag("amsgrad", flag),),
-        derived=(ir.DerivedFlag("big", ir.Binary("gt", ir.Name("lr"), ir.Num(1.0))),),
+        derived=(ir.DerivedFlag("big", ir.Binary("gt", ir.Name("lr"), ir.Num(1.0))),
+                 ir.DerivedFlag("has_t", ir.Binary("and", ir.Given("t"), ir.Name("big")))),
         states=(
-            ir.State("m", ir.Unary("neg", ir.Num(1.0)), nonneg, ir.Unary("not", ir.Name("amsgrad"))),
-            ir.State("v", ir.Name("lr")),
+            ir.State("m", ir.Unary("neg", ir.Num(1.0)), nonneg, ir.Unary("not", ir.Name("amsgrad")), exact=exact),
+            ir.State("v", init, exact=not exact),
         ),
         scalars=(ir.ScalarState("s", ir.Num(math.inf)),),
         requires=(ir.Require(ir.Binary("or", ir.Name("big"), ir.Name("amsgrad")), doc),),
