@@ -6,11 +6,12 @@ a `.fopt` file, or an already loaded `ir.Spec`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 import torch
 
@@ -19,10 +20,10 @@ from .checker import check_spec
 from .config import resolve_hypers
 from .errors import Loc, SpecError, did_you_mean
 from .parser import parse_spec
-from .layouts import quantize, resolve_layout, rows_cols
-from .reference import initial_scalars, initial_values, plain_state
+from .layouts import as_rows, quantize, resolve_layout, rows_cols
+from .reference import ParamCopy, initial_scalars, initial_values, plain_state
 
-__all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "SpecLike"]
+__all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "state_layout", "SpecLike"]
 
 SpecLike = Union[str, os.PathLike, ir.Spec]
 
@@ -116,7 +117,12 @@ def _load_builtin(text: str) -> ir.Spec:
 
 
 def init_state(
-    spec: SpecLike, param: torch.Tensor, layout: Union[None, str, Mapping[str, str]] = None, **hypers
+    spec: SpecLike,
+    param: torch.Tensor,
+    layout: Union[None, str, Mapping[str, str]] = None,
+    *,
+    initial_hypers: Optional[Mapping[str, float]] = None,
+    **hypers,
 ) -> dict[str, torch.Tensor]:
     """Fresh optimizer state for one parameter.
 
@@ -129,6 +135,12 @@ def init_state(
             quantizes blocks of 64 elements along the last dim with one fp32
             scale each, stored under "<name>.scale"; states declared `nonneg`
             use the unsigned map; a state whose last dim is below 64 stays fp32.
+            States that must stay exact (`ir.State.must_stay_exact`: declared
+            `exact`, or starting from `param`) are kept in fp32 under "bf16" and
+            "int8"; a dict that names another layout for one raises (`state_layout`).
+        initial_hypers: hyperparameter values (scalar names, e.g. `lr`, `beta1`) that
+            initial values read instead of those in `hypers`: `ForgeOptimizer` passes
+            the values its param group had at construction, before any LR schedule.
         **hypers: the keywords the step will use; they decide which states exist
             (e.g. `amsgrad=True`) and initial values that are hyperparameters
             (e.g. Adagrad's `initial_accumulator_value`).
@@ -139,6 +151,12 @@ def init_state(
     """
     spec = load_spec(spec)
     cfg = resolve_hypers(spec, hypers, caller="init_state")
+    if initial_hypers:
+        unknown = set(initial_hypers) - set(spec.hyper_names)
+        if unknown:
+            raise ValueError(f"initial_hypers names unknown hyperparameters {sorted(unknown)}; "
+                             f"{spec.name} has {list(spec.hyper_names)}")
+        cfg = dataclasses.replace(cfg, hypers={**cfg.hypers, **initial_hypers})
     if layout is None:
         return plain_state(spec, param, cfg, param.dtype)
     if isinstance(layout, Mapping):
@@ -151,15 +169,40 @@ def init_state(
     rows, cols = rows_cols(param.shape)
     values = initial_values(spec, cfg)
     for s in spec.states:
-        value = values.get(s.name)
-        if value is None:
+        if s.name not in values:
             continue
-        choice = layout.get(s.name, "fp32") if isinstance(layout, Mapping) else layout
-        # Every row starts equal: encode one row and repeat it, so a large parameter never needs
-        # a float32 copy of its state (5.8 GiB for AdamW on a 151936 × 5120 embedding).
-        row = torch.full((1, cols), value, dtype=torch.float32, device=param.device)
-        storage, scale = quantize(row, resolve_layout(choice, s.nonneg, param.shape))
-        out[s.name] = storage.expand(rows, cols).contiguous().reshape(param.shape)
+        value = values[s.name]
+        code = resolve_layout(state_layout(spec, s, layout), s.nonneg, param.shape)
+        if isinstance(value, ParamCopy):
+            storage, scale = quantize(as_rows(value.of(param, torch.float32)), code)
+            out[s.name] = storage.reshape(param.shape)
+        else:
+            # Every row starts equal: encode one row and repeat it, so a large parameter never needs
+            # a float32 copy of its state (5.8 GiB for AdamW on a 151936 × 5120 embedding).
+            row = torch.full((1, cols), value, dtype=torch.float32, device=param.device)
+            storage, scale = quantize(row, code)
+            out[s.name] = storage.expand(rows, cols).contiguous().reshape(param.shape)
+            if scale is not None:
+                scale = scale.expand(rows, scale.shape[1]).contiguous()
         if scale is not None:
-            out[f"{s.name}.scale"] = scale.expand(rows, scale.shape[1]).contiguous()
+            out[f"{s.name}.scale"] = scale
     return {**out, **initial_scalars(spec, cfg)}
+
+
+def state_layout(spec: ir.Spec, state: ir.State, layout: Union[str, Mapping[str, str]]) -> str:
+    """The layout name one state gets from `init_state`'s `layout` (a name for all states, or a dict).
+
+    The rule for states that must stay exact (`ir.State.must_stay_exact`): a layout named for all
+    states leaves them in "fp32"; a dict that names "bf16" or "int8" for one is refused, since its
+    values (weight-like ones, for a state that starts from `param`) would lose their precision.
+    """
+    if isinstance(layout, Mapping):
+        choice = layout.get(state.name, "fp32")
+        if state.must_stay_exact and choice != "fp32":
+            why = "it is declared exact" if state.exact else "it starts from param (it holds weight-like values)"
+            raise ValueError(
+                f"state '{state.name}' of {spec.name} must stay in fp32 because {why}, but the layout asks for "
+                f"{choice!r}; leave it out of the layout dict (it then stays fp32)"
+            )
+        return choice
+    return "fp32" if state.must_stay_exact else layout

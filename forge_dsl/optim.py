@@ -39,6 +39,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
+from . import ir
 from .api import SpecLike, init_state, load_spec
 from .config import resolve_hypers
 from .kernels import launch
@@ -209,6 +210,21 @@ def _fused_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _ForgeLinearFn.apply(x, module.weight, module.bias, handle)
 
 
+# The param-group key of the hyperparameter values that initial values read, taken when the group is added.
+# A leading underscore: no spec keyword can be named so (checker.check_name).
+_INITIAL_KEY = "_forge_initial"
+
+
+def _initial_value_hypers(spec) -> list[str]:
+    """The hyperparameters that the initial values of the spec's states and scalar states read."""
+    names = []
+    for s in list(spec.states) + list(spec.scalars):
+        e = s.init.operand if isinstance(s.init, ir.Unary) else s.init
+        if isinstance(e, ir.Name) and e.id in spec.hyper_names and e.id not in names:
+            names.append(e.id)
+    return names
+
+
 class ForgeOptimizer(torch.optim.Optimizer):
     """An optimizer written as a `.fopt` spec, fused into the backward of linear layers.
 
@@ -373,10 +389,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's `add_param_group`; parameters added after construction are stepped from `.grad` in `step()`."""
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        cfg = resolve_hypers(self.spec, self._group_hypers(group), caller="ForgeOptimizer")
+        # Initial values that read hyperparameters (`scalar base_lr = lr`) take them as they are now, before
+        # any LR schedule changes the group: torch optimizers that keep a base value read it at construction.
+        group.setdefault(_INITIAL_KEY, {name: cfg.hypers[name] for name in _initial_value_hypers(self.spec)})
         if not hasattr(self, "_param_index"):  # called by torch.optim.Optimizer.__init__: indexed there
             return
-        group = self.param_groups[-1]
-        resolve_hypers(self.spec, self._group_hypers(group), caller="ForgeOptimizer")
         for p in group["params"]:
             self._check_param(p)
             self._param_index[p] = len(self._param_index)
@@ -386,10 +405,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _param_seed(self, p: torch.Tensor) -> int:
         return (self.seed * 1_000_003 + self._param_index[p]) & 0x7FFFFFFF
 
-    def _state_for(self, p: torch.Tensor, hypers: Mapping[str, Any]) -> dict:
+    def _state_for(self, p: torch.Tensor, group: Mapping[str, Any], hypers: Mapping[str, Any]) -> dict:
         state = self.state[p]
         if not state:
-            state.update(init_state(self.spec, p.data, layout=self.state_dtype, **hypers))
+            state.update(init_state(self.spec, p.data, layout=self.state_dtype,
+                                    initial_hypers=group.get(_INITIAL_KEY), **hypers))
             state["step"] = torch.tensor(0.0)
             state["seed"] = torch.tensor(self._param_seed(p), dtype=torch.int64)
         return state
@@ -397,7 +417,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _fused_update(self, weight: torch.nn.Parameter, x: torch.Tensor, dy: torch.Tensor) -> None:
         group = self._group_of[weight]
         hypers = self._group_hypers(group)
-        state = self._state_for(weight, hypers)
+        state = self._state_for(weight, group, hypers)
         linear_step(
             self.spec, x, dy, weight.data, state, path=self.linear_path, step=int(state["step"].item()) + 1,
             seed=int(state["seed"]), rounding=self.rounding,
@@ -431,7 +451,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("sparse gradients are not supported (nn.Embedding(sparse=True))")
-                state = self._state_for(p, hypers)
+                state = self._state_for(p, group, hypers)
                 key = None
                 if self.foreach and p.numel() <= FOREACH_MAX_ELEMENTS:
                     key = shared_launch_key(self.spec, p.data, p.grad, state)

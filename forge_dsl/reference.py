@@ -8,7 +8,8 @@ the parameter's dtype), so parity with torch.optim also checks the lowering.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Mapping, MutableMapping, Union
 
 import torch
 
@@ -17,23 +18,42 @@ from .config import StepConfig, resolve_hypers
 from .lowering import Lowered, Operand, lower
 from .scalar_ops import apply_scalar_op
 
-__all__ = ["run_host_program", "scalar_updates", "reference_step", "initial_value", "plain_state"]
+__all__ = ["run_host_program", "scalar_updates", "reference_step", "initial_value", "initial_values", "ParamCopy",
+           "plain_state"]
 
 
 def initial_value(spec: ir.Spec, init: ir.Expr, hypers: Mapping[str, float]) -> float:
-    """The number a state starts at: a literal, or a hyperparameter's value."""
+    """The number a state starts at: a literal, or a hyperparameter's value (not for `param`: see
+    `initial_tensor`)."""
     if isinstance(init, ir.Num):
         return init.value
     if isinstance(init, ir.Unary):
         return -initial_value(spec, init.operand, hypers)
-    assert isinstance(init, ir.Name)
+    assert isinstance(init, ir.Name) and init.id != "param", init
     return hypers[init.id]
 
 
-def initial_values(spec: ir.Spec, cfg: StepConfig) -> dict[str, float]:
-    """The initial value of each per-element state present for these flags (every element starts equal)."""
+def initial_values(spec: ir.Spec, cfg: StepConfig) -> dict[str, Union[float, ParamCopy]]:
+    """The initial value of each per-element state present for these flags: the number every element
+    starts at, or a `ParamCopy` for a state that starts as (minus) the weight (`ir.State.starts_from_param`)."""
     present = lower(spec, cfg.combo).states
-    return {s.name: initial_value(spec, s.init, cfg.hypers) for s in spec.states if s.name in present}
+    return {s.name: (_param_sign(s) if s.starts_from_param else initial_value(spec, s.init, cfg.hypers))
+            for s in spec.states if s.name in present}
+
+
+def _param_sign(s: ir.State) -> ParamCopy:
+    return ParamCopy(-1.0 if isinstance(s.init, ir.Unary) else 1.0)
+
+
+@dataclass(frozen=True)
+class ParamCopy:
+    """The initial value of a state declared `= param` (`sign` 1) or `= -param` (`sign` -1)."""
+
+    sign: float
+
+    def of(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor shaped like `param`, in `dtype`: sign * param, rounded once to dtype."""
+        return (param.to(dtype, copy=True) if self.sign > 0 else -param.to(dtype)).contiguous()
 
 
 def initial_scalars(spec: ir.Spec, cfg: StepConfig) -> dict[str, torch.Tensor]:
@@ -45,7 +65,10 @@ def plain_state(spec: ir.Spec, param: torch.Tensor, cfg: StepConfig, dtype: torc
     """Fresh state in `dtype`: per-element states present for these flags, then scalar states."""
     state: dict[str, torch.Tensor] = {}
     for name, value in initial_values(spec, cfg).items():
-        state[name] = torch.full_like(param, value, dtype=dtype)
+        if isinstance(value, ParamCopy):
+            state[name] = value.of(param, dtype)
+        else:
+            state[name] = torch.full_like(param, value, dtype=dtype)
     return {**state, **initial_scalars(spec, cfg)}
 
 
