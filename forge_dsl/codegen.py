@@ -262,8 +262,8 @@ def _elem_expr(instr: Instr, bool_exports: set[str]) -> str:
              "eq": "==", "ne": "!=", "and": "&", "or": "|"}
     if op in infix:
         return f"{a[0]} {infix[op]} {a[1]}"
-    if op == "neg":
-        return f"-{a[0]}"
+    if op == "neg":  # not -x: Triton compiles that to 0.0 - x, which is +0.0 for x = +0.0
+        return f"{a[0]} * -1.0"
     if op == "not":
         return f"{a[0]} == 0"
     if op == "recip":

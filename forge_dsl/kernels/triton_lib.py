@@ -573,7 +573,8 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
 # "Numbers"). A two-argument helper also takes a scalar for either argument (a host kernel argument,
 # which the interpreter passes as a Python float, or a literal) and broadcasts it first: the 3.9
 # interpreter cannot `&` a scalar boolean with a tile. Divisions are `tl.div_rn` (IEEE)
-# where a special value or a bound depends on the quotient.
+# where a special value or a bound depends on the quotient, and a negation is `r * -1.0`: Triton
+# compiles `-r` to `0.0 - r`, which is +0.0 for r = +0.0.
 
 
 @triton.jit
@@ -598,7 +599,7 @@ def math_pow(x, y):
     r = tl.exp2(y * tl.log2(tl.abs(x)))
     y_int = tl.floor(y) == y  # +-inf counts as an even integer; NaN as neither
     y_odd = y_int & (tl.floor(y * 0.5) * 2.0 != y)
-    r = tl.where(_sign_bit(x) & y_odd, -r, r)
+    r = tl.where(_sign_bit(x) & y_odd, r * -1.0, r)
     r = tl.where((x < 0) & (x != float("-inf")) & (~y_int), float("nan"), r)
     r = tl.where((x == -1.0) & (tl.abs(y) == float("inf")), 1.0, r)
     return tl.where((y == 0) | (x == 1.0), 1.0, r)
@@ -622,7 +623,7 @@ def math_atan(x):
     inv = a > 1.0
     r = _atan_unit(tl.where(inv, tl.div_rn(1.0, a), a))
     r = tl.where(inv, 1.5707963267948966 - r, r)
-    return tl.where(x < 0, -r, tl.where(x == 0, x, r))
+    return tl.where(x < 0, r * -1.0, tl.where(x == 0, x, r))
 
 
 @triton.jit
@@ -640,7 +641,7 @@ def math_atan2(y, x):
     r = tl.where(ay > ax, 1.5707963267948966 - r, r)
     r = tl.where(_sign_bit(x), 3.141592653589793 - r, r)
     r = tl.where((x != x) | (y != y), float("nan"), r)
-    return tl.where(_sign_bit(y), -r, r)
+    return tl.where(_sign_bit(y), r * -1.0, r)
 
 
 @triton.jit
@@ -672,7 +673,7 @@ def math_tanh(x):
     a = tl.abs(x)
     e = math_expm1(2.0 * tl.where(a > 10.0, 10.0, a))
     r = tl.div_rn(e, e + 2.0)
-    return tl.where(x < 0, -r, tl.where(x == 0, x, r))
+    return tl.where(x < 0, r * -1.0, tl.where(x == 0, x, r))
 
 
 @triton.jit
