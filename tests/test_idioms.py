@@ -157,3 +157,80 @@ def test_initial_values_read_the_hyperparameters_the_optimizer_was_built_with(sp
     restored = forge_dsl.ForgeOptimizer(nn.Linear(64, 72).to(DEVICE), spec_file(BASE_LR), lr=1.0)
     restored.load_state_dict(opt.state_dict())
     assert restored.param_groups[0]["_forge_initial"] == {"lr": lr}
+
+
+# AdEMAMix (Pagliardini et al. 2024) with torch-style keywords: t_alpha_beta3=None (the default) keeps
+# alpha and beta3 fixed; a number ramps alpha up and beta3's half-life out over that many steps.
+ADEMAMIX = """\
+optimizer ademamix "AdEMAMix"
+hyper lr = 1e-3 in [0, inf)
+hyper betas = (beta1 = 0.9, beta2 = 0.999, beta3 = 0.9999) in [0, 1)
+hyper alpha = 2 in [0, inf)
+hyper t_alpha_beta3 = none in [1, inf)
+hyper eps = 1e-8 in [0, inf)
+hyper weight_decay = 0 in [0, inf)
+flag scheduled = given(t_alpha_beta3)
+state exp_avg = 0
+state exp_avg_slow = 0
+state exp_avg_sq = 0 nonneg
+update {
+    if scheduled {
+        frac = min(step / t_alpha_beta3, 1)
+        alpha_t = frac * alpha
+        beta3_t = min(exp(log(beta1) * log(beta3) / ((1 - frac) * log(beta3) + frac * log(beta1))), beta3)
+    } else {
+        alpha_t = alpha
+        beta3_t = beta3
+    }
+    param = param * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * grad
+    exp_avg_slow = beta3_t * exp_avg_slow + (1 - beta3_t) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    denom = sqrt(exp_avg_sq) / sqrt(1 - beta2 ** step) + eps
+    param = param - lr * (exp_avg / (1 - beta1 ** step) + alpha_t * exp_avg_slow) / denom
+}
+"""
+
+
+def ademamix_torch(p, grads, lr, betas, alpha, t, eps, wd):
+    import math
+
+    b1, b2, b3 = betas
+    m1, m2, nu = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+    p = p.clone()
+    for step, g in enumerate(grads, 1):
+        if t is None:
+            alpha_t, b3_t = alpha, b3
+        else:
+            frac = min(step / t, 1.0)
+            alpha_t = frac * alpha
+            b3_t = min(math.exp(math.log(b1) * math.log(b3) / ((1 - frac) * math.log(b3) + frac * math.log(b1))), b3)
+        p = p * (1 - lr * wd)
+        m1 = b1 * m1 + (1 - b1) * g
+        m2 = b3_t * m2 + (1 - b3_t) * g
+        nu = b2 * nu + (1 - b2) * g * g
+        denom = nu.sqrt() / math.sqrt(1 - b2**step) + eps
+        p = p - lr * (m1 / (1 - b1**step) + alpha_t * m2) / denom
+    return p
+
+
+@pytest.mark.parametrize("t_alpha_beta3", [None, 3.0])
+def test_optional_hyperparameter_none_or_given(spec_file, t_alpha_beta3):
+    spec = forge_dsl.load_spec(spec_file(ADEMAMIX))
+    kw = dict(lr=1e-2, betas=(0.8, 0.99, 0.95), alpha=3.0, weight_decay=0.1)
+    if t_alpha_beta3 is not None:
+        kw["t_alpha_beta3"] = t_alpha_beta3
+    gen = torch.Generator().manual_seed(2)
+    p = torch.randn(8, 70, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(8, 70, generator=gen, dtype=torch.float64) for _ in range(5)]
+    expected = ademamix_torch(p, grads, 1e-2, (0.8, 0.99, 0.95), 3.0, t_alpha_beta3, 1e-8, 0.1)
+    ref_p, ref_state = p.clone(), forge_dsl.init_state(spec, p, **kw)
+    w = p.float().to(DEVICE)
+    state = forge_dsl.init_state(spec, w, layout="fp32", **kw)
+    for step, g in enumerate(grads, 1):
+        forge_dsl.reference_step(spec, ref_p, g, ref_state, step=step, **kw)
+        kernels.step(spec, w, g.float().to(DEVICE), state, step=step, **kw)
+    assert torch.allclose(ref_p, expected, rtol=1e-12, atol=1e-14)
+    assert rel_err(w, ref_p) <= 1e-5
+    with_none = forge_dsl.init_state(spec, p, t_alpha_beta3=None)  # None passed explicitly is the default
+    assert set(with_none) == set(ref_state)
