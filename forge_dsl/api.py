@@ -156,7 +156,7 @@ def init_state(
         if unknown:
             raise ValueError(f"initial_hypers names unknown hyperparameters {sorted(unknown)}; "
                              f"{spec.name} has {list(spec.hyper_names)}")
-        cfg = dataclasses.replace(cfg, hypers={**cfg.hypers, **initial_hypers})
+        cfg = dataclasses.replace(cfg, hypers={**cfg.hypers, **initial_hypers})  # initial values read only hypers
     if layout is None:
         return plain_state(spec, param, cfg, param.dtype)
     if isinstance(layout, Mapping):

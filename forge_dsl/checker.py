@@ -39,7 +39,10 @@ __all__ = [
     "combinations",
     "describe_combo",
     "eval_static",
+    "runtime_flags",
     "specialize",
+    "variant_of",
+    "variants",
 ]
 
 # name -> number of arguments
@@ -130,6 +133,38 @@ def combinations(spec: ir.Spec) -> list[Combo]:
     """Every assignment of True/False to the flags and derived flags, in declaration order."""
     names = [f.name for f in spec.flags] + [d.name for d in spec.derived]
     return [tuple(zip(names, values)) for values in itertools.product((False, True), repeat=len(names))]
+
+
+def runtime_flags(spec: ir.Spec) -> frozenset[str]:
+    """The flags that need no compiled variant of their own: read only inside the update's expressions
+    (`where(maximize, -grad, grad)`), never by an `if`, a state's condition or a derived flag.  The kernels
+    take them as host values, so both of their values run one compiled variant, as torch.optim's
+    `maximize` is a runtime branch.  In a spec with optional hyperparameters every flag stays compile-time:
+    there a where() on a flag may guard a read of a hyperparameter that is none, and a runtime select
+    evaluates both of its branches."""
+    if any(h.optional for h in spec.hypers):
+        return frozenset()
+    compile_time: set[str] = set()
+    conditions = [s.condition for s in _walk_stmts(spec.body) if isinstance(s, ir.If)]
+    conditions += [s.condition for s in spec.states if s.condition is not None]
+    conditions += [d.expr for d in spec.derived]
+    for cond in conditions:
+        compile_time.update(n.id for n in _iter_names(cond))
+    return frozenset(f.name for f in spec.flags if f.name not in compile_time)
+
+
+def variants(spec: ir.Spec) -> list[Combo]:
+    """The compiled variants: every assignment of the flags that are not `runtime_flags`, in
+    `combinations` order (what `variant_of` maps a combination to)."""
+    runtime = runtime_flags(spec)
+    names = [f.name for f in spec.flags if f.name not in runtime] + [d.name for d in spec.derived]
+    return [tuple(zip(names, values)) for values in itertools.product((False, True), repeat=len(names))]
+
+
+def variant_of(spec: ir.Spec, combo: Combo) -> Combo:
+    """The compiled variant that runs the flag combination `combo`: `combo` without the runtime flags."""
+    runtime = runtime_flags(spec)
+    return tuple((name, value) for name, value in combo if name not in runtime)
 
 
 def describe_combo(combo: Combo) -> str:

@@ -22,7 +22,8 @@ from typing import Optional
 import jinja2
 
 from . import ir
-from .checker import describe_combo
+from .checker import describe_combo, runtime_flags
+from .checker import variants as checker_variants
 from .lowering import Instr, Lowered, Operand, lower_all
 
 __all__ = ["render_module", "compiler_hash", "spec_hash", "read_stamp", "Stamp", "OUTPUTS", "TEMPLATE_NAMES",
@@ -302,7 +303,7 @@ class _Line:
 def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     states = list(low.states)
     host_bools = {i.name for i in low.host if i.type == "bool"}
-    bool_exports = {o.name for o in low.exports if o.kind == "host" and o.name in host_bools}
+    bool_exports = {o.name for o in low.exports if (o.kind == "host" and o.name in host_bools) or o.kind == "flag"}
     export_names = [o.name if o.kind != "step" else "step" for o in low.exports]
     host_lines = [_Line(i.name, _host_expr(i)) for i in low.host]
     returns = []
@@ -317,17 +318,19 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
     outputs = []
     for target, o in low.outputs:
         text = _elem_operand(o, bool_exports)
-        if o.kind in ("const", "hyper", "step", "scalar", "host"):
+        if o.kind == "const" or o.is_host:
             text = _splat(text, "b_param")  # a host value written to every element
         outputs.append(text)
     scalar_updates = [(name, _host_operand(o)) for name, o in low.scalar_updates]
     reads_scalars = sorted({a.name for i in low.host for a in i.args if a.kind == "scalar"}
                            | {o.name for _, o in low.scalar_updates if o.kind == "scalar"}
                            | {o.name for o in low.exports if o.kind == "scalar"})
-    reads_hypers = [h.name for h in spec.hypers if
-                    any(a.kind == "hyper" and a.name == h.name for i in low.host for a in i.args)
-                    or any(o.kind == "hyper" and o.name == h.name for o in low.exports)
-                    or any(o.kind == "hyper" and o.name == h.name for _, o in low.scalar_updates)]
+    # hyperparameters and runtime flags, in declaration order: the host function reads them by name
+    reads_hypers = [name for kind, name in [("hyper", h.name) for h in spec.hypers]
+                    + [("flag", f.name) for f in spec.flags] if
+                    any(a.kind == kind and a.name == name for i in low.host for a in i.args)
+                    or any(o.kind == kind and o.name == name for o in low.exports)
+                    or any(o.kind == kind and o.name == name for _, o in low.scalar_updates)]
     state_ptrs = [name for s in states for name in (f"S_{s}", f"SCALE_{s}")]
     exports = [f"h_{n}" for n in export_names]
     layouts = [f"LAYOUT_{s}" for s in states]
@@ -450,7 +453,8 @@ def render_module(spec: ir.Spec, output: str = "cache") -> str:
         spec_hash=spec_hash(spec.source),
         template_names=", ".join(TEMPLATE_NAMES),
         compiler_hash=compiler_hash(),
-        flag_names=[f.name for f in spec.flags] + [d.name for d in spec.derived],
+        flag_names=[name for name, _ in checker_variants(spec)[0]],
+        runtime_flag_names=sorted(runtime_flags(spec)),
         all_states=[s.name for s in spec.states],
         variants=variants,
     ))

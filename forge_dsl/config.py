@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from . import ir
-from .checker import Combo
+from .checker import Combo, variant_of
 from .errors import did_you_mean
 from .scalar_ops import apply_scalar_op
 
@@ -33,11 +33,16 @@ class StepConfig:
             checker proves it: only flag combinations with a true `given(t)` flag read it).
         flags: every flag and derived flag.
         combo: the flag combination, in `checker.combinations` order.
+        variant: the compiled variant that runs it (`checker.variant_of`: without the runtime flags).
+        host_inputs: what a variant's host program reads by name: `hypers` and the flags (the runtime
+            flags' values among them).
     """
 
     hypers: dict[str, Optional[float]]
     flags: dict[str, bool]
     combo: Combo
+    variant: Combo = ()
+    host_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 def eval_host_expr(expr: ir.Expr, values: Mapping[str, Any]):
@@ -134,7 +139,7 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
     combo = tuple((f.name, flag_values[f.name]) for f in spec.flags) + tuple(
         (d.name, flag_values[d.name]) for d in spec.derived
     )
-    return StepConfig(values, flag_values, combo)
+    return StepConfig(values, flag_values, combo, variant_of(spec, combo), {**values, **flag_values})
 
 
 def _show(v: float) -> str:

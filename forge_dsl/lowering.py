@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from . import ir
-from .checker import Combo, Level, combinations, specialize, states_present
+from .checker import Combo, Level, runtime_flags, specialize, states_present, variant_of, variants
 from .scalar_ops import apply_scalar_op
 
 __all__ = ["Operand", "Instr", "Lowered", "lower", "lower_all", "ELEMENT_INPUTS", "HOST_INPUTS"]
 
-HOST_INPUTS = ("hyper", "step", "scalar")
+HOST_INPUTS = ("hyper", "flag", "step", "scalar")
 ELEMENT_INPUTS = ("param", "grad", "state")
 
 
@@ -38,7 +38,8 @@ class Operand:
 
     kind:
       'const'            a literal (`value` is a float or a bool);
-      'hyper', 'step', 'scalar'   host inputs, by name;
+      'hyper', 'flag', 'step', 'scalar'   host inputs, by name ('flag': a `checker.runtime_flags`
+                         flag, a bool);
       'host'             a host scalar computed by `Lowered.host`;
       'param', 'grad', 'state'    per-element inputs (the values before the step);
       'elem'             a per-element value computed by `Lowered.elem`.
@@ -156,7 +157,9 @@ class _Graph:
 
     def input(self, input_kind: str, name: str) -> _Node:
         level = Level.HOST if input_kind in HOST_INPUTS else Level.ELEMENT
-        return self._intern(("in", input_kind, name), kind="in", input_kind=input_kind, name=name, level=level)
+        typ = "bool" if input_kind == "flag" else "real"
+        return self._intern(("in", input_kind, name), kind="in", input_kind=input_kind, name=name, level=level,
+                            type=typ)
 
     def op(self, op: str, *args: _Node) -> _Node:
         simplified = self._simplify(op, args)
@@ -232,8 +235,9 @@ def _build(graph: _Graph, expr: ir.Expr, env: dict[str, _Node]) -> _Node:
 
 
 def lower(spec: ir.Spec, combo: Combo) -> Lowered:
-    """Lower a checked spec for one combination of flag values (see `checker.combinations`)."""
-    return _lower_cached(spec, tuple(combo))
+    """Lower a checked spec for one combination of flag values (see `checker.combinations`): the program of
+    its compiled variant (`checker.variant_of`), which reads the runtime flags as host inputs."""
+    return _lower_cached(spec, variant_of(spec, tuple(combo)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -246,6 +250,8 @@ def _lower_cached(spec: ir.Spec, combo: Combo) -> Lowered:
         env[h.name] = graph.input("hyper", h.name)
     for name, value in combo:
         env[name] = graph.const(value)
+    for name in runtime_flags(spec):
+        env[name] = graph.input("flag", name)
     env["step"] = graph.input("step", "step")
     for s in spec.scalars:
         env[s.name] = graph.input("scalar", s.name)
@@ -375,5 +381,5 @@ def _all_assigns(body):
 
 
 def lower_all(spec: ir.Spec) -> list[Lowered]:
-    """One `Lowered` per flag combination, in `checker.combinations` order."""
-    return [lower(spec, combo) for combo in combinations(spec)]
+    """One `Lowered` per compiled variant, in `checker.variants` order."""
+    return [lower(spec, combo) for combo in variants(spec)]

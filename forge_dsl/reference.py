@@ -72,8 +72,9 @@ def plain_state(spec: ir.Spec, param: torch.Tensor, cfg: StepConfig, dtype: torc
     return {**state, **initial_scalars(spec, cfg)}
 
 
-def run_host_program(low: Lowered, hypers: Mapping[str, float], step: int, scalars: Mapping[str, float]) -> dict:
-    """Execute the host program in float64.
+def run_host_program(low: Lowered, hypers: Mapping[str, Any], step: int, scalars: Mapping[str, float]) -> dict:
+    """Execute the host program in float64; `hypers` holds the hyperparameters and the runtime flags
+    (`StepConfig.host_inputs`).
 
     Returns every host value by name: the inputs (hyperparameters, scalar state,
     `step`) and each computed value.  Names never collide: the checker keeps
@@ -198,7 +199,7 @@ def reference_step(
                 f"got {t.dtype} {tuple(t.shape)}; reference_step runs on plain float state"
             )
     scalars = {s.name: float(state[s.name]) for s in spec.scalars}
-    host = run_host_program(low, cfg.hypers, int(step), scalars)
+    host = run_host_program(low, cfg.host_inputs, int(step), scalars)
 
     # Every output is computed from the inputs as they were before the step, whatever aliases what
     # (an output that is an input, grad sharing storage with param or a state): the inputs read are

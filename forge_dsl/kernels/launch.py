@@ -352,13 +352,13 @@ def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
 def _variant(spec, hypers: dict, step: int, state):
     cfg = _resolved_hypers(spec, hypers)
     module = compiled_module(spec)
-    host, fused, fused_ws, elementwise, names = module.VARIANTS[cfg.combo]
+    host, fused, fused_ws, elementwise, names = module.VARIANTS[cfg.variant]
     _check_step(step)
     scalars = {s.name: float(state[s.name]) for s in spec.scalars if s.name in state}
     missing = [s.name for s in spec.scalars if s.name not in state]
     if missing:
         raise ValueError(f"state has no scalar state {missing}; create it with forge_dsl.init_state")
-    exports, scalar_updates = host(cfg.hypers, int(step), scalars)
+    exports, scalar_updates = host(cfg.host_inputs, int(step), scalars)
     return fused, fused_ws, elementwise, names, exports, scalar_updates
 
 
@@ -594,8 +594,8 @@ def _reuse_key(spec, hypers: dict, x, dy, weight, state, rounding, tf32, config)
     except (ValueError, TypeError):
         return None
     module = compiled_module(spec)
-    names = module.VARIANTS[resolved.combo][4]
-    key = prepared.call_key(spec, resolved.combo, names, _scalar_names(spec), x, dy, weight, state, rounding, tf32,
+    names = module.VARIANTS[resolved.variant][4]
+    key = prepared.call_key(spec, resolved.variant, names, _scalar_names(spec), x, dy, weight, state, rounding, tf32,
                             config)
     return None if key is None else (key, resolved, spec)
 
@@ -618,7 +618,7 @@ def _launch_prepared(reuse: tuple, x, dy, weight, state, step, seed, auto: bool 
             return False
     _check_step(step)
     with _device_guard(weight):
-        scalar_updates = hit.launch(x, dy, weight, state, resolved.hypers, int(step), mix_seed(seed, step))
+        scalar_updates = hit.launch(x, dy, weight, state, resolved.host_inputs, int(step), mix_seed(seed, step))
     if scalar_updates is None:
         return False
     _commit_scalars(state, scalar_updates)
@@ -629,7 +629,7 @@ def _prepare(reuse: tuple, spec, names: tuple[str, ...], state, cfg: TileConfig,
              kwargs: dict, programs: int) -> None:
     """Remember a checked warp-specialized launch under `reuse`'s key for later calls with the same metadata."""
     key, resolved, _ = reuse
-    host = compiled_module(spec).VARIANTS[resolved.combo][0]
+    host = compiled_module(spec).VARIANTS[resolved.variant][0]
     try:
         entry = prepared.PreparedLaunch(spec, host, prepared.state_entries(names, state), _scalar_names(spec),
                                         fused_ws, compiled, args, kwargs, programs,
