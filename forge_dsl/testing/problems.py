@@ -121,8 +121,8 @@ def draw_keywords(spec: ir.Spec, combo: Combo, rng: random.Random) -> Optional[d
     defaults as can be; None when no draw of `ATTEMPTS` reaches the combination (a contradictory one).
 
     Flags are set directly; a derived flag through its hyperparameters: a draw that gives it the wrong
-    value, or fails a `require`, is retried with some hyperparameters at their defaults (or 0 where the
-    range holds it).
+    value, or fails a `require`, is retried with some hyperparameters at their defaults (or, without
+    one, 0 where the range holds it).
     """
     flags = {name: value for name, value in combo if name in spec.flag_names}
     best, best_moved = None, -1
@@ -130,7 +130,8 @@ def draw_keywords(spec: ir.Spec, combo: Combo, rng: random.Random) -> Optional[d
         values = {}
         moved = 0
         for h in spec.hypers:
-            fallback = [v for v in (h.default, 0.0) if v is not None and h.interval.contains(v)]
+            # a hyperparameter with a default falls back to it, one without to 0 (never lr = 0: no update)
+            fallback = [v for v in ((h.default,) if h.default is not None else (0.0,)) if h.interval.contains(v)]
             if attempt == 0 or not fallback or rng.random() < 0.6:
                 try:
                     values[h.name] = draw_value(h, rng)
