@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +18,12 @@ import forge_dsl
 from forge_dsl import codegen
 from forge_dsl.checker import combinations
 from forge_dsl.config import resolve_hypers
-from forge_dsl.testing import Case, check_reference, covering_combos, draw_keywords, main, run_case
-from forge_dsl.testing.problems import default_combo
+from forge_dsl.testing import (UPDATE_FLOOR, UPDATE_REL, UPDATE_ULPS, Case, K, N, RoundingMean, bf16_ulp,
+                               check_reference, check_spec_kernels, covering_combos, draw_keywords, dw_error_bound,
+                               main, run_case, update_bound, update_slack)
+from forge_dsl.testing import cases
+from forge_dsl.testing.problems import combos_for, default_combo
+from forge_dsl.testing.sweep import keywords_for
 
 # A user spec with a flag and two states: AdaBelief (Zhuang et al., 2020), decoupled or L2 weight decay.
 ADABELIEF = """
@@ -123,6 +128,130 @@ def test_wrong_kernel_fails_with_a_reproducer_that_reruns_it(tmp_path, cache, ca
     monkeypatch.setenv("FORGE_DSL_CACHE", str(cache))
     fixed = write_spec(tmp_path, ADABELIEF, "adabelief_fixed", salt="correct sqrt")
     assert run_case(scope["case"].replace(spec=fixed)).ok
+
+
+# A spec without state: nothing but the weight can show a wrong update.
+SIGN_DESCENT = """
+optimizer sign_descent "sign descent, no state"
+hyper lr = 1e-3 in [0, inf)
+update {
+    param = param - lr * sign(grad)
+}
+"""
+HOST_KINDS = ("const", "hyper", "step", "scalar", "host")
+
+
+def off_by(monkeypatch, factor: float) -> None:
+    """Generated kernels' products of a host value and an element `factor` times too large (not the reference)."""
+    real = codegen._elem_expr
+
+    def wrong_mul(instr, bool_exports):
+        text = real(instr, bool_exports)
+        host = sum(a.kind in HOST_KINDS for a in instr.args)
+        return f"({text}) * {factor!r}" if instr.op == "mul" and host == 1 else text
+
+    monkeypatch.setattr(codegen, "_elem_expr", wrong_mul)
+
+
+def test_update_a_tenth_of_a_percent_off_fails_a_state_free_spec(tmp_path, cache, monkeypatch):
+    """lr · sign(grad) 0.1 % too large in the kernels: inside the weight's fp32 slack (2e-5 of |w|) and far
+    below a bf16 ulp, but every path and both weight dtypes fail the update's check."""
+    off_by(monkeypatch, 1.001)
+    path = write_spec(tmp_path, SIGN_DESCENT, "sign_descent", salt="lr 0.1 % off")
+    report = check_spec_kernels(path, quick=True, device="cpu")
+    assert not report.ok
+    failed = {(r.case.path, r.case.weights) for r in report.rows if not r.ok and r.where.startswith("weight update")}
+    assert {(p, w) for p in ("fused", "slab", "step") for w in ("fp32", "bf16")} <= failed, report.table()
+    big = [r for r in report.rows if tuple(r.case.shape) == (N, K)]
+    assert big and not any(r.ok for r in big), report.table()
+    monkeypatch.undo()
+    monkeypatch.setenv("FORGE_DSL_CACHE", str(cache))
+    fixed = write_spec(tmp_path, SIGN_DESCENT, "sign_descent_fixed", salt="correct")
+    assert check_spec_kernels(fixed, quick=True, device="cpu").ok
+
+
+def test_update_a_tenth_of_a_percent_off_fails_fp32_weights_of_every_builtin(tmp_path, cache, monkeypatch):
+    """Each built-in compiled with its new weight w + 1.001 · (w' − w): one fp32 step on each path fails, from
+    the first step, at the update; the weight's own bound (2e-5 · |w|) passes most of them."""
+    real = codegen._variant_data
+
+    def wrong_update(spec, index, low):
+        data = real(spec, index, low)
+        new_w, *rest = data["update_returns"]  # the new weight first, then the states
+        return {**data, "update_returns": [f"b_param + (({new_w}) - b_param) * 1.001", *rest]}
+
+    monkeypatch.setattr(codegen, "_variant_data", wrong_update)
+    for name in forge_dsl.builtin_names():
+        spec = forge_dsl.load_spec(name)
+        path = write_spec(tmp_path, Path(spec.path).read_text(), name, salt="update 0.1 % off")
+        kw = keywords_for(spec, default_combo(spec), seed=0)
+        for p in ("fused", "slab", "step"):
+            result = run_case(Case(spec=path, path=p, keywords=kw, steps=2, seed=1))
+            assert not result.ok and result.step == 1 and result.where.startswith("weight update"), result.describe()
+
+
+def test_rounding_mean_alone_fails_a_wrong_sqrt(tmp_path, cache, monkeypatch):
+    """The 1 %-wrong sqrt of the first test, bf16 weights with stochastic rounding, every per-element check
+    switched off: the mean rounding error along the update fails it; a correct compile passes."""
+    real_elementwise = cases._elementwise
+    monkeypatch.setattr(cases, "_elementwise", lambda worst, *args, **kw: real_elementwise(cases._Worst(), *args, **kw))
+    kw = keywords_for(forge_dsl.load_spec(write_spec(tmp_path, ADABELIEF, "ab")), (("decoupled", True),), seed=0)
+    correct = write_spec(tmp_path, ADABELIEF, "adabelief_correct", salt="correct sqrt, mean")
+    case = Case(spec=correct, path="step", keywords=kw, layout="int8", weights="bf16", steps=4, seed=5)
+    good = run_case(case)
+    assert good.ok and good.where.startswith("weight update: mean") and 0 < good.error < good.bound / 2, good.describe()
+    real_expr = codegen._elem_expr
+    monkeypatch.setattr(codegen, "_elem_expr", lambda instr, b: f"({real_expr(instr, b)}) * 1.01"
+                        if instr.op == "sqrt" else real_expr(instr, b))
+    wrong = write_spec(tmp_path, ADABELIEF, "adabelief_wrong", salt="wrong sqrt, mean")
+    for p in ("fused", "slab", "step"):
+        bad = run_case(case.replace(spec=wrong, path=p))
+        assert not bad.ok and "mean stochastic rounding" in bad.where and bad.error > 2 * bad.bound, bad.describe()
+
+
+def test_rounding_mean_bound_holds_for_unbiased_rounding_and_catches_a_bias():
+    """`RoundingMean` on stochastic rounding emulated in torch (16 random bits added, truncated), 20 seeds:
+    within its bound; with the rounded values' update 1 % too large: beyond it for every seed."""
+    def sr(v: torch.Tensor, gen) -> torch.Tensor:
+        bits = v.float().view(torch.int32).to(torch.int64)
+        bits = (bits + torch.randint(0, 65536, v.shape, generator=gen)) >> 16 << 16
+        return bits.to(torch.int32).view(torch.float32).double()
+
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        w0 = (torch.randn(100, 400, generator=gen) * 0.5).bfloat16().double()
+        ref = w0 - 0.01 * torch.randn(100, 400, generator=gen, dtype=torch.float64).sign()
+        slack = update_slack(w0, ref)
+        right, biased = RoundingMean(), RoundingMean()
+        right.add(w0, ref, sr(ref, gen), slack)
+        biased.add(w0, ref, sr(w0 + (ref - w0) * 1.01, gen), slack)
+        assert right.statistic <= right.bound and biased.statistic > 2 * biased.bound, seed
+        assert right.n == w0.numel() and 0.015 <= right.bound < 0.017  # 3 / sqrt(40000), plus the slack's share
+
+
+def test_dw_error_bound_holds_for_fp32_products():
+    """fp32 dyᵀx (torch's GEMM) within `dw_error_bound` of the float64 product; a worst case, T·u against the
+    typical sqrt(T)·u, but not loose beyond that: the largest error is above a thousandth of the bound."""
+    gen = torch.Generator().manual_seed(0)
+    dy, x = torch.randn(512, 64, generator=gen), torch.randn(512, 96, generator=gen)
+    err = ((dy.T @ x).double() - dy.double().T @ x.double()).abs()
+    bnd = dw_error_bound(dy, x)
+    assert (err <= bnd).all() and (err / bnd).max() > 1e-3
+
+
+def test_update_bound_counts_fp32_ulps_the_update_and_a_floor():
+    w0 = torch.tensor([1.0, -0.75, 2.0**-20, 3.0], dtype=torch.float64)
+    ref = w0 + torch.tensor([1e-2, 0.0, -1e-3, 2e-2], dtype=torch.float64)
+    slack = update_slack(w0, ref)
+    ulp = torch.tensor([2.0**-23, 2.0**-24, 2.0**-33, 2.0**-22], dtype=torch.float64)
+    expected = UPDATE_ULPS * ulp + UPDATE_REL * (ref - w0).abs() + UPDATE_FLOOR * 2e-2
+    assert torch.allclose(slack, expected, rtol=1e-12, atol=0)
+    spread = torch.tensor([0.0, 1e-6, 0.0, 0.0], dtype=torch.float64)
+    assert update_slack(w0, ref, spread)[1] == expected[1] + 1e-6
+    nearest = update_bound(w0, ref, torch.bfloat16, "nearest")
+    assert torch.allclose(nearest, 0.5 * bf16_ulp(ref.abs() + slack) + slack, rtol=1e-12, atol=0)
+    stochastic = update_bound(w0, ref, torch.bfloat16, "stochastic")
+    assert torch.allclose(stochastic, bf16_ulp(ref.abs() + slack) + slack, rtol=1e-12, atol=0)
 
 
 def test_wrong_reference_fails_against_torch(tmp_path, capsys):
@@ -231,15 +360,16 @@ def test_covering_combos_cover_every_pair():
 
 
 def test_drawn_learning_rate_moves_the_weight_by_a_few_percent():
-    from forge_dsl.testing.sweep import UPDATE_BAND, _update_ratio, keywords_for
+    from forge_dsl.testing.sweep import UPDATE_BAND, _update_ratio
     from forge_dsl.testing.problems import make_problem
 
     w0 = make_problem(0, torch.float32, device=torch.device("cpu"))[0].double()
-    for name in ("adamw", "sgd", "lion", "adagrad"):
+    for name in forge_dsl.builtin_names():  # every combination a quick run covers (sgd_momentum's nesterov: lr > 0)
         spec = forge_dsl.load_spec(name)
-        kw = keywords_for(spec, default_combo(spec), seed=3)
-        ratio = _update_ratio(spec, kw, w0)
-        assert UPDATE_BAND[0] / 3 <= ratio <= UPDATE_BAND[1] * 3, (name, ratio)
+        for combo, seed in itertools.product(combos_for(spec, quick=True), (0, 3)):
+            kw = keywords_for(spec, combo, seed=seed)
+            ratio = _update_ratio(spec, kw, w0)
+            assert UPDATE_BAND[0] / 3 <= ratio <= UPDATE_BAND[1] * 3, (name, combo, seed, ratio)
 
 
 def test_case_source_round_trips():
@@ -266,6 +396,14 @@ def test_full_sweep_of_a_builtin(name, capsys):
     assert main([name]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert {"halves", "split"} <= {line.split()[1] for line in out.splitlines() if line.startswith(name)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", forge_dsl.builtin_names())
+def test_quick_passes_every_builtin(name):
+    """The correct kernels of every built-in pass the quick run, the update's checks included."""
+    report = check_spec_kernels(name, quick=True, device="cpu")
+    assert report.ok, report.reproducer
 
 
 @pytest.mark.gpu

@@ -7,21 +7,34 @@ Each bound follows from what the kernel rounds (tests/test_kernels.py's module d
     values, element by element: the kernel computes the update in fp32 registers and rounds once on
     store, so each element is within the layout's rounding bound of the exact value plus fp32 slack
     (`bound`, `weight_bound`).
+  * the update, every weight dtype: a per-element bound on the kernel's step against the reference's step
+    from the same weight, far tighter than the weight's own (`update_slack`, `update_bound`), and for
+    stochastic rounding the mean rounding error along the update (`sr_mean_bound`). The weight bounds
+    above are relative to the weight; a step moves it by a few percent, so an error of 0.1 % in the
+    update hides inside them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from ..layouts import StateLayout, as_rows, dequantize, n_blocks
 
-__all__ = ["FP32_REL_TOL", "FP32_SLACK", "rel_err", "layout_code", "as_float64_state", "bf16_ulp", "block_scale",
-           "bound", "weight_bound", "sign_tie_allowance"]
+__all__ = ["FP32_REL_TOL", "FP32_SLACK", "UPDATE_ULPS", "UPDATE_REL", "UPDATE_FLOOR", "SR_SIGMAS", "rel_err",
+           "layout_code", "as_float64_state", "bf16_ulp", "fp32_ulp", "block_scale", "bound", "weight_bound",
+           "dw_error_bound", "update_slack", "update_bound", "RoundingMean", "sr_mean_bound",
+           "sign_tie_allowance"]
 
 FP32_REL_TOL = 1e-5  # fp32 weights and state: relative error after several steps
 FP32_SLACK = 2e-5  # relative fp32 arithmetic allowance per element (dW over T tokens, then the update)
+# The update's bound (`update_slack`): c1 fp32 ulps of the weight, c2 of the update, a floor c3 of the largest update.
+UPDATE_ULPS = 4.0
+UPDATE_REL = 2e-5
+UPDATE_FLOOR = 1e-6
+SR_SIGMAS = 6.0  # stochastic rounding's mean error: standard deviations allowed (`sr_mean_bound`)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,6 +111,125 @@ def weight_bound(ref_w: torch.Tensor, w_dtype: torch.dtype, rounding: str = "sto
     if rounding == "nearest":
         return bound(StateLayout.BF16, ref_w, ref_w)
     return bf16_ulp(ref_w) * (1 + 1e-3) + FP32_SLACK * ref_w.abs() + 1e-5 * ref_w.abs().max()
+
+
+def fp32_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of fp32 numbers at |x| (24 significant bits; that of 2^-126 below it)."""
+    mag = x.abs().clamp_min(2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(mag)) - 23)
+
+
+def dw_error_bound(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """|fp32 dW − dyᵀx| per element, [N, K] float64 on the CPU, for dy [T, N] and x [T, K] (fp32 or bf16).
+
+    A T-term dot product in fp32, in any order, with or without FMA, is within γ_T · Σ_t |dy_tn| |x_tk|
+    of the exact one, γ_T = T·u / (1 − T·u), u = 2^-24 (Higham, Accuracy and Stability of Numerical
+    Algorithms, (3.5)); bf16 products are exact in fp32, fp32 ones round once, which γ_T counts.
+    """
+    t = dy.shape[0]
+    gamma = t * 2.0**-24 / (1 - t * 2.0**-24)
+    return gamma * (dy.double().cpu().abs().T @ x.double().cpu().abs())
+
+
+def update_slack(w_before: torch.Tensor, ref_after: torch.Tensor, spread: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-element bound on |Δw_kernel − Δw_ref| in fp32 registers, before the weight's store rounds it; float64.
+
+    w_before: the weight both steps start from; ref_after: the reference's result (float64), so
+    Δw_ref = ref_after − w_before. spread: how far Δw_ref moves when the gradient moves within its own
+    rounding error (`dw_error_bound`; the fused and slab paths compute dW in fp32), or None (exact).
+
+        UPDATE_ULPS · ulp32(max(|w_before|, |ref_after|)) + UPDATE_REL · |Δw_ref| + UPDATE_FLOOR · max |Δw_ref| + spread
+
+    * c1 = UPDATE_ULPS = 4 fp32 ulps of the weight: the kernel computes the new weight in fp32 from the
+      weight: a weight-decay factor (1 − lr·wd), a host value rounded to fp32 (≤ 1 ulp) and a multiply
+      (0.5), the subtraction of the update (0.5) and a second term's (NAdam, 0.5), and the fp32 result
+      itself (0.5 ulp before the store).
+    * c2 = UPDATE_REL = 2e-5 of the update: 10 to 30 fp32 operations each rounding by u = 6e-8, host
+      values (bias corrections, lr / (1 − μ-products)) rounded to fp32 once, int8 state dequantized in
+      fp32: about 1e-6. A kernel off by 0.1 % is 50× beyond it.
+    * c3 = UPDATE_FLOOR = 1e-6 of the largest update: terms of the update's size that cancel (NAdam's
+      two momentum terms, g + wd·w): their rounding is u of the terms, not of their difference.
+    * `spread`: the update is a function of the gradient element by element, so the reference run at
+      dW ± `dw_error_bound` brackets what the kernel's own dW gives (the sensitivity can be large: Adam's
+      g / (|g| + ε) at |g| ≈ ε, a `sign()` whose argument the rounding flips).
+    Over the eight built-ins' `forge-test --quick` cases the worst element of a correct kernel reaches
+    0.35 of this bound (fp32 weights).
+    """
+    w0, ref = w_before.double().cpu(), ref_after.double().cpu()
+    d = (ref - w0).abs()
+    d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
+    top = d.max() if d.numel() else d.new_zeros(())
+    slack = UPDATE_ULPS * fp32_ulp(torch.maximum(w0.abs(), ref.abs())) + UPDATE_REL * d + UPDATE_FLOOR * top
+    if spread is not None:
+        slack = slack + spread.double().cpu()
+    return torch.where(torch.isnan(slack), torch.zeros_like(slack), slack)
+
+
+def update_bound(w_before: torch.Tensor, ref_after: torch.Tensor, w_dtype: torch.dtype, rounding: str = "stochastic",
+                 spread: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-element bound on |w_kernel − ref_after| after one step from `w_before` (float64, the weight's shape).
+
+    fp32 weights: `update_slack`. bf16 weights: the kernel rounds its fp32 result v, within `update_slack`
+    of the exact one, once: nearest within half the bf16 spacing at v, stochastic to one of v's two
+    bf16 neighbours (less than one spacing); the spacing at |v| ≤ |ref_after| + slack.
+    """
+    slack = update_slack(w_before, ref_after, spread)
+    if w_dtype == torch.float32:
+        return slack
+    gap = bf16_ulp(ref_after.double().cpu().abs() + slack)
+    return (0.5 if rounding == "nearest" else 1.0) * gap + slack
+
+
+class RoundingMean:
+    """Stochastic rounding's mean error along the update, pooled over the elements and steps of a case.
+
+    For each element with Δw_ref ≠ 0: d = sign(Δw_ref) · (w_kernel − ref_after) / ulp_bf16(ref_after).
+    The kernel adds 16 uniform random bits to its fp32 result v and truncates, so E[w_kernel] = v
+    exactly, and w_kernel − v spans one bf16 gap g (at |v|): each d has mean within s = slack / ulp of 0
+    (v is within `update_slack` of ref_after) and variance ≤ (g / ulp)² / 4 (≈ 1/4). The bits are
+    new per element and step (`launch.mix_seed`), so over n elements
+
+        |mean d| ≤ SR_SIGMAS · sqrt(Σ (g/ulp)² / 4) / n + Σ s / n   (≈ 3 / sqrt(n))
+
+    fails a correct kernel with probability about 2e-9 (6 σ). An update systematically off by a
+    fraction ε shifts mean d by ε · mean(|Δw_ref| / ulp): the per-element bounds cannot see it below
+    an ulp, this mean can once n is large.
+    """
+
+    def __init__(self):
+        self.sum_d, self.sum_var, self.sum_sys, self.n = 0.0, 0.0, 0.0, 0
+
+    def add(self, w_before: torch.Tensor, ref_after: torch.Tensor, got: torch.Tensor, slack: torch.Tensor,
+            keep: Optional[torch.Tensor] = None) -> None:
+        """One step's elements (float64 CPU tensors, the weight's shape); `keep`: a mask of those to count
+        (elements beyond their bound, excused sign ties, are left out)."""
+        ref, got = ref_after.double().cpu(), got.double().cpu()
+        s = torch.sign(ref - w_before.double().cpu())
+        use = torch.isfinite(ref) & torch.isfinite(got) & (s != 0)
+        if keep is not None:
+            use &= keep
+        ulp = bf16_ulp(ref)
+        gap = bf16_ulp(ref.abs() + slack)
+        self.sum_d += float((s * (got - ref) / ulp)[use].sum())
+        self.sum_var += float(((gap / ulp) ** 2 / 4)[use].sum())
+        self.sum_sys += float((slack / ulp)[use].sum())
+        self.n += int(use.sum())
+
+    @property
+    def statistic(self) -> float:
+        """|mean d| (0 with no elements)."""
+        return abs(self.sum_d) / self.n if self.n else 0.0
+
+    @property
+    def bound(self) -> float:
+        return sr_mean_bound(self.n, self.sum_var, self.sum_sys)
+
+
+def sr_mean_bound(n: int, sum_var: float, sum_sys: float) -> float:
+    """`RoundingMean`'s bound on |mean d| over n elements: SR_SIGMAS · sqrt(Σ var) / n + Σ s / n."""
+    if n == 0:
+        return 0.0
+    return SR_SIGMAS * math.sqrt(sum_var) / n + sum_sys / n
 
 
 def sign_tie_allowance(spec, hypers: dict, x_dtype: torch.dtype, path: str) -> Optional[float]:

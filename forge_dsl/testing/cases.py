@@ -8,9 +8,12 @@ its fields, so a case that failed reruns the same way from its `repr` (see `repr
 Three kinds of check (`Case.check`):
   * "chain": fp32 weights and fp32 state through `steps` steps without re-synchronising; after each
     step ‖kernel − reference‖ / ‖reference‖ ≤ `FP32_REL_TOL` for the weight and every state, scalar
-    states within 1e-12 relative.
+    states within 1e-12 relative; and each step's update as in "per-step".
   * "per-step": each step from the kernel's own previous (dequantized) values; every element of the
-    weight and of every state within its `bound` / `weight_bound` of the float64 reference.
+    weight and of every state within its `bound` / `weight_bound` of the float64 reference, and the
+    weight's update (w_after − w_before) within `update_bound` of the reference's, both from the same
+    weight; with stochastic rounding the mean rounding error along the update over every element of
+    every step within `RoundingMean`'s bound.
   * "against": the float64 reference step against `Case.against` built with the same keywords
     (float64 parameter and gradients, fresh random gradients each step), relative error ≤ 1e-10.
 """
@@ -29,8 +32,8 @@ from .. import ir
 from ..api import init_state, load_spec
 from ..layouts import StateLayout
 from ..reference import reference_step
-from .bounds import (FP32_REL_TOL, as_float64_state, bound, layout_code, rel_err, sign_tie_allowance,
-                     weight_bound)
+from .bounds import (FP32_REL_TOL, RoundingMean, as_float64_state, bound, dw_error_bound, layout_code, rel_err,
+                     sign_tie_allowance, update_bound, update_slack, weight_bound)
 from .problems import K, N, T, layout_for, make_problem
 
 __all__ = ["Case", "CaseResult", "run_case", "load_against", "AGAINST_REL_TOL", "SCALAR_REL_TOL", "SLAB_ROWS",
@@ -303,8 +306,11 @@ def _run_chain(case: Case, spec: ir.Spec) -> CaseResult:
     for step in range(1, case.steps + 1):
         x, dy = _fresh(case, step, x, dy)
         dw = _exact_dw(case, x, dy, w.shape)
-        _run_kernel(case, spec, x, dy, w, state, _kernel_grad(case, dw, w.device), step)
+        grad = _kernel_grad(case, dw, w.device)
+        one = _one_step_reference(case, spec, w, state, grad.double().cpu() if grad is not None else dw, x, dy, step)
+        _run_kernel(case, spec, x, dy, w, state, grad, step)
         reference_step(spec, ref_w, dw, ref_state, step=step, **kw)
+        _elementwise(worst, w, one.ref_w, one.update_bound(case), step, "weight update")
         worst.see(rel_err(w, ref_w), FP32_REL_TOL, step, "weight")
         for s in spec.states:
             if s.name in ref_state:
@@ -350,6 +356,41 @@ def _elementwise(worst: _Worst, got: torch.Tensor, ref: torch.Tensor, tol: torch
     return ties
 
 
+@dataclass
+class _OneStep:
+    """The reference's step from the kernel's current values: the weight before it [the weight's shape], the
+    reference's weight and state after it (float64 CPU), and `update_slack` (with the dW's spread)."""
+
+    w_before: torch.Tensor
+    ref_w: torch.Tensor
+    ref_state: dict
+    slack: torch.Tensor
+    spread: Optional[torch.Tensor]
+
+    def update_bound(self, case: Case) -> torch.Tensor:
+        return update_bound(self.w_before, self.ref_w, case.w_dtype, case.rounding, self.spread)
+
+
+def _one_step_reference(case: Case, spec: ir.Spec, w, state, dw: torch.Tensor, x, dy, step: int) -> _OneStep:
+    """The reference step from the kernel's own current weight and (dequantized) state on `dw` (float64, the
+    weight's shape); on the fused and slab paths, which compute dW in fp32, also on dW ± `dw_error_bound`: the
+    largest move of the reference's weight is the update's `spread`."""
+    kw = case.keywords
+    w_before = w.double().cpu()
+    state_before = as_float64_state(state, spec)
+    ref_w, ref_state = w_before.clone(), {k: v.clone() for k, v in state_before.items()}
+    reference_step(spec, ref_w, dw, ref_state, step=step, **kw)
+    spread = None
+    if case.path != "step":
+        delta = dw_error_bound(dy, x).reshape(dw.shape)
+        spread = torch.zeros_like(ref_w)
+        for sign in (1.0, -1.0):
+            moved, moved_state = w_before.clone(), {k: v.clone() for k, v in state_before.items()}
+            reference_step(spec, moved, dw + sign * delta, moved_state, step=step, **kw)
+            spread = torch.maximum(spread, (moved - ref_w).abs())
+    return _OneStep(w_before, ref_w, ref_state, update_slack(w_before, ref_w, spread), spread)
+
+
 def _run_per_step(case: Case, spec: ir.Spec) -> CaseResult:
     kw = case.keywords
     w, x, dy = _linear_problem(case)
@@ -357,17 +398,27 @@ def _run_per_step(case: Case, spec: ir.Spec) -> CaseResult:
     tie = sign_tie_allowance(spec, kw, x.dtype, case.path)
     worst = _Worst()
     ties = 0
+    mean = RoundingMean() if case.weights == "bf16" and case.rounding == "stochastic" else None
     for step in range(1, case.steps + 1):
         # Reference from the kernel's own current values, in float64.
-        ref_w = w.double().cpu()
-        ref_state = as_float64_state(state, spec)
         dw = _exact_dw(case, x, dy, w.shape)
         grad = _kernel_grad(case, dw, w.device)
         if grad is not None:
             dw = grad.double().cpu()  # the element-wise kernel steps on the gradient as it reads it
-        reference_step(spec, ref_w, dw, ref_state, step=step, **kw)
+        one = _one_step_reference(case, spec, w, state, dw, x, dy, step)
+        ref_w, ref_state = one.ref_w, one.ref_state
         _run_kernel(case, spec, x, dy, w, state, grad, step)
         ties += _elementwise(worst, w, ref_w, weight_bound(ref_w, case.w_dtype, case.rounding), step, "weight", tie)
+        tol = one.update_bound(case)
+        _elementwise(worst, w, ref_w, tol, step, "weight update", tie)
+        if mean is not None:
+            got = w.double().cpu()
+            err = (got - ref_w).abs()
+            mean.add(one.w_before, ref_w, got, one.slack,
+                     keep=None if tie is None else ~((err > tol) & (err <= tie + tol)))  # excused ties left out
+            if step == case.steps:
+                worst.see(mean.statistic, mean.bound, step,
+                          f"weight update: mean stochastic rounding error along it, in ulps, over {mean.n} elements")
         got_state = as_float64_state(state, spec)
         for s in spec.states:
             if s.name not in state:
