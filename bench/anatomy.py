@@ -80,7 +80,7 @@ def token_loop_only(X, DY, OUT, T, N, K, stride_xt, stride_xk, stride_dyt, strid
 
 
 @triton.jit
-def adamw_persistent_ws(X, DY, W, S_m, S_v, h0, h1, h2, h3, h4, h5, h6, seed, T, N, K,
+def adamw_persistent_ws(X, DY, W, S_m, S_v, h0, h1, h2, h3, h4, h5, h6, h7, seed, T, N, K,
                         NUM_PROGRAMS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, DOT_FP32: tl.constexpr):
     """generated/adamw.py's fused kernel (bf16 weights and state, TMA) as a persistent loop over tiles
@@ -99,7 +99,7 @@ def adamw_persistent_ws(X, DY, W, S_m, S_v, h0, h1, h2, h3, h4, h5, h6, seed, T,
         offs, mask = tile_offsets(offs_n, offs_k, N, K)
         # bf16 state (layout 1): no block scales, so `offs` stands in for the unread scale offsets
         r_w, r_m, q_m, r_v, q_v = _load_v0(W, S_m, S_m, S_v, S_v, offs, mask, offs, True, 1, 1, BLOCK_N, BLOCK_K)
-        _apply_v0(W, S_m, S_m, S_v, S_v, h0, h1, h2, h3, h4, h5, h6, acc, r_w, r_m, q_m, r_v, q_v, offs, mask,
+        _apply_v0(W, S_m, S_m, S_v, S_v, h0, h1, h2, h3, h4, h5, h6, h7, acc, r_w, r_m, q_m, r_v, q_v, offs, mask,
                   offs, seed, True, True, 1, 1, BLOCK_N, BLOCK_K)
 
 
@@ -178,7 +178,7 @@ def launch_adamw_ws(x, dy, w, state, cfg, *, seed: int = 1234, programs: int = 0
     bt, bn, bk, warps, stages = cfg
     T, K = x.shape
     N = dy.shape[1]
-    exports, _ = adamw_module.host_v0(resolve_hypers(forge_dsl.load_spec("adamw"), {"lr": 1e-4}).hypers, 1, {})
+    exports, _ = adamw_module.host_v0(resolve_hypers(forge_dsl.load_spec("adamw"), {"lr": 1e-4}).host_inputs, 1, {})
     programs = min(programs or torch.cuda.get_device_properties(w.device).multi_processor_count,
                    triton.cdiv(N, bn) * triton.cdiv(K, bk))
     adamw_persistent_ws[(programs,)](

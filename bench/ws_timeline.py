@@ -111,7 +111,7 @@ def _accumulate_tl(X, DY, x_bufs, dy_bufs, ready, empty, it, T, n_start, k_start
 def _mma_tl(
     X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W,
     S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq,
-    h_tmp0, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4, h_eps,
+    h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4, h_eps,
     seed, N, K, n_blocks, TL,
     W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUT_exp_avg: tl.constexpr, LAYOUT_exp_avg_sq: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr, MMA_SLICES: tl.constexpr,
@@ -139,8 +139,8 @@ def _mma_tl(
         for r in tl.static_range(SLICES - MMA_SLICES, SLICES):
             b_grad = ws_read_slice(acc_smem, acc_empty, r, SLICES - 1, SLICE_N, WARPS)
             _row_slice_ws_v0(
-                W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_tmp1, h_tmp2, h_beta2,
-                h_tmp3, h_tmp4, h_eps, b_grad, n_start + r * SLICE_N, k_start, N, K, n_blocks, seed, W_BF16,
+                W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_maximize, h_tmp1, h_tmp2,
+                h_beta2, h_tmp3, h_tmp4, h_eps, b_grad, n_start + r * SLICE_N, k_start, N, K, n_blocks, seed, W_BF16,
                 STOCHASTIC, LAYOUT_exp_avg, LAYOUT_exp_avg_sq, SLICE_N, BK, WARPS,
             )
         j += 1
@@ -149,7 +149,7 @@ def _mma_tl(
 @gluon_jit
 def _epilogue_tl(
     W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq,
-    h_tmp0, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4, h_eps,
+    h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4, h_eps,
     acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL,
     W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUT_exp_avg: tl.constexpr, LAYOUT_exp_avg_sq: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr, EPILOGUE_WARPS: tl.constexpr,
@@ -182,7 +182,7 @@ def _epilogue_tl(
                     next_scale_offs, W_BF16, LAYOUT_exp_avg, LAYOUT_exp_avg_sq, SLICE_N, BK,
                 )
             _apply_v0(
-                W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_tmp1, h_tmp2,
+                W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_maximize, h_tmp1, h_tmp2,
                 h_beta2, h_tmp3, h_tmp4, h_eps, acc, r_param, r_exp_avg, q_exp_avg, r_exp_avg_sq,
                 q_exp_avg_sq, offs, mask, scale_offs, seed, W_BF16, STOCHASTIC, LAYOUT_exp_avg,
                 LAYOUT_exp_avg_sq, SLICE_N, BK,
@@ -202,7 +202,7 @@ def _epilogue_tl(
 @gluon_jit(do_not_specialize=["seed", "T"])
 def fused_tl(
     X, DY, W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq,
-    h_tmp0, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4, h_eps,
+    h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4, h_eps,
     seed, T, N, K, n_blocks, TL,
     W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUT_exp_avg: tl.constexpr, LAYOUT_exp_avg_sq: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, STAGES: tl.constexpr, SLICE_N: tl.constexpr,
@@ -213,7 +213,7 @@ def fused_tl(
     x_bufs, dy_bufs, acc_smem, ready, empty, acc_ready, acc_empty = ws_allocate(X, DY, STAGES, MMA_SLICES)
     gl.warp_specialize([
         (_epilogue_tl, (
-            W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_tmp1, h_tmp2, h_beta2,
+            W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2,
             h_tmp3, h_tmp4, h_eps, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL, W_BF16, STOCHASTIC,
             LAYOUT_exp_avg, LAYOUT_exp_avg_sq, NUM_PROGRAMS, GROUP_N, SLICE_N, EPILOGUE_WARPS, MMA_SLICES,
             MAX_TILES,
@@ -221,7 +221,7 @@ def fused_tl(
         (_loader_tl, (X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, TL, NUM_PROGRAMS, GROUP_N, MAX_TILES)),
         (_mma_tl, (
             X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, S_exp_avg,
-            SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4,
+            SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4,
             h_eps, seed, N, K, n_blocks, TL, W_BF16, STOCHASTIC, LAYOUT_exp_avg, LAYOUT_exp_avg_sq, NUM_PROGRAMS,
             GROUP_N, SLICE_N, MMA_SLICES, MAX_TILES,
         )),
