@@ -282,3 +282,22 @@ def test_reuse_is_off_with_triton_debug_or_instrumentation(monkeypatch):
     monkeypatch.setattr(knobs.runtime, "debug", False)
     monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "consan")
     assert not prepared.enabled()
+
+
+def test_a_runtime_flag_switching_between_steps_reuses_one_entry(recorder, monkeypatch):
+    """adamw's maximize is a runtime flag (`checker.runtime_flags`): one compiled variant and one prepared
+    entry serve both values. Its host value is an int that Triton specializes on 1, so the first step with
+    each value takes the checked path (and its kernel is kept), every later one is reused with the
+    arguments the checked path binds, h_maximize among them."""
+    spec = forge_dsl.load_spec("adamw")
+    w, state = _problem(torch.bfloat16, "bf16", "adamw", seed=3)
+    for step, maximize in enumerate((False, True, False, True, True, False), 1):
+        x, dy = _activations(step)
+        kernels.linear_step(spec, x, dy, w, state, step=step, lr=1e-2, maximize=maximize, config=WS_CONFIG)
+        reused = recorder.calls.pop()
+        monkeypatch.setattr(prepared, "_SUPPORTED", False)
+        kernels.linear_step(spec, x, dy, w, state, step=step, lr=1e-2, maximize=maximize, config=WS_CONFIG)
+        monkeypatch.setattr(prepared, "_SUPPORTED", True)
+        checked = recorder.calls.pop()
+        assert reused == (("run" if step <= 2 else "launcher"), checked[1]), f"step {step}"
+    assert prepared.entries() == 1
