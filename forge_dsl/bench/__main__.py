@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..interpreter import use_interpreter
 from .common import UsageError
 
 __all__ = ["main"]
@@ -54,20 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _use_interpreter() -> None:
-    """Run Triton kernels in the interpreter: must happen before triton is first imported."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    if "triton" in sys.modules:
-        raise SystemExit("--device cpu needs TRITON_INTERPRET=1 before triton is imported; "
-                         "run it as: TRITON_INTERPRET=1 forge-bench ... --device cpu")
-    os.environ["TRITON_INTERPRET"] = "1"
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available() or _flag_value(argv, "--device") == "cpu":
-        _use_interpreter()  # before build_parser imports the subcommands (and with them triton)
+        try:
+            use_interpreter("forge-bench")  # before build_parser imports the subcommands (and with them triton)
+        except RuntimeError as err:
+            raise SystemExit(str(err)) from None
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

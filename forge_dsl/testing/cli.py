@@ -13,9 +13,10 @@ every case passes, 1 on any failure (or a spec error), 2 for a usage error.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional, Sequence
+
+from ..interpreter import use_interpreter
 
 __all__ = ["main", "build_parser"]
 
@@ -40,15 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _use_interpreter() -> None:
-    """Run Triton kernels in the interpreter: must happen before triton is first imported."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    if "triton" in sys.modules:
-        raise UsageError("--device cpu needs TRITON_INTERPRET=1 before triton is imported; "
-                         "run it as: TRITON_INTERPRET=1 forge-test ... --device cpu")
-    os.environ["TRITON_INTERPRET"] = "1"
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -67,7 +59,10 @@ def _main(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here (use --device cpu)")
     if args.device == "cpu" and not args.reference_only:
-        _use_interpreter()
+        try:
+            use_interpreter("forge-test")
+        except RuntimeError as err:
+            raise UsageError(str(err)) from None
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be a positive integer, got {args.steps}")
     if args.reference_only and args.against is None:
