@@ -354,8 +354,9 @@ class _Checker:
             raise self.error(f"the range {iv} of '{name}' is empty", loc)
 
     def check_initial_value(self, init: ir.Expr, name: str, scalar: bool = False) -> None:
-        if isinstance(init, ir.Unary) and init.op == "neg" and isinstance(init.operand, (ir.Num, ir.Name)):
-            init = init.operand
+        _, base = ir.initial_parts(init)
+        if isinstance(base, (ir.Num, ir.Name)):
+            init = base
         if isinstance(init, ir.Num):
             return
         if isinstance(init, ir.Name) and init.id == "param":
@@ -826,7 +827,8 @@ def _monotone(f, a: _Range, low: float, high: float) -> _Range:
 
 def _min(a: _Range, b: _Range) -> _Range:
     out = _Range(min(a.lo, b.lo), min(a.hi, b.hi), a.nan or b.nan)
-    # Where one side is NaN, min may give the other one (Triton's fminf does, torch gives NaN).
+    # Where one side is NaN the kernels and the reference give NaN (docs/LANGUAGE.md 8.1); the union with the
+    # other side keeps the proof sound for a spelling that returned the other operand instead.
     if a.nan:
         out = out.union(b)
     if b.nan:
@@ -890,8 +892,9 @@ class _Bounds:
     What is proven is: every value that is not NaN is >= the lower bound.  A
     nonneg state may hold NaN (inf - inf in `v + c * (x - v)`, say), as any state
     may, and a NaN is not made worse by the unsigned int8 map.  Where NaN meets
-    min, max or clamp, the result may be the other operand (Triton's fminf) or
-    NaN (torch): both are covered.  The bounds are those of exact arithmetic on
+    min, max or clamp, the kernels and the reference give NaN (docs/LANGUAGE.md
+    8.1); the bounds also cover the other operand, so they would stay sound
+    for a spelling that returned it.  The bounds are those of exact arithmetic on
     the rounded inputs; fp32 rounding keeps a value >= 0 wherever the proof is
     by signs (squares, sums and products of non-negative values) and can take a
     moving average below 0 by at most an ulp of its inputs, far below an int8

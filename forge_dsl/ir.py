@@ -233,7 +233,7 @@ class State:
     @property
     def starts_from_param(self) -> bool:
         """True when `init` is `param` or `-param`: the state starts as (minus) a copy of the weight."""
-        e = self.init.operand if isinstance(self.init, Unary) and self.init.op == "neg" else self.init
+        _, e = initial_parts(self.init)
         return isinstance(e, Name) and e.id == "param"
 
     @property
@@ -350,6 +350,14 @@ class Spec:
         for f in self.flags:
             out[f.name] = f.default
         return out
+
+
+def initial_parts(init: Expr) -> tuple[float, Expr]:
+    """A state's or scalar state's initial value as (sign, base): `-x` is (-1.0, x), anything else
+    (1.0, itself); the checker allows a number, a hyperparameter or `param` as the base."""
+    if isinstance(init, Unary) and init.op == "neg":
+        return -1.0, init.operand
+    return 1.0, init
 
 
 def format_number(v: float) -> str:

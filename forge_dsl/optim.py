@@ -219,7 +219,7 @@ def _initial_value_hypers(spec) -> list[str]:
     """The hyperparameters that the initial values of the spec's states and scalar states read."""
     names = []
     for s in list(spec.states) + list(spec.scalars):
-        e = s.init.operand if isinstance(s.init, ir.Unary) else s.init
+        _, e = ir.initial_parts(s.init)
         if isinstance(e, ir.Name) and e.id in spec.hyper_names and e.id not in names:
             names.append(e.id)
     return names

@@ -23,14 +23,13 @@ __all__ = ["run_host_program", "scalar_updates", "reference_step", "initial_valu
 
 
 def initial_value(spec: ir.Spec, init: ir.Expr, hypers: Mapping[str, float]) -> float:
-    """The number a state starts at: a literal, or a hyperparameter's value (not for `param`: see
-    `initial_tensor`)."""
-    if isinstance(init, ir.Num):
-        return init.value
-    if isinstance(init, ir.Unary):
-        return -initial_value(spec, init.operand, hypers)
-    assert isinstance(init, ir.Name) and init.id != "param", init
-    return hypers[init.id]
+    """The number a state starts at: a literal, or a hyperparameter's value, or their negation (not for
+    `param`: see `ParamCopy`)."""
+    sign, base = ir.initial_parts(init)
+    if isinstance(base, ir.Num):
+        return sign * base.value
+    assert isinstance(base, ir.Name) and base.id != "param", init
+    return sign * hypers[base.id]
 
 
 def initial_values(spec: ir.Spec, cfg: StepConfig) -> dict[str, Union[float, ParamCopy]]:
@@ -42,7 +41,7 @@ def initial_values(spec: ir.Spec, cfg: StepConfig) -> dict[str, Union[float, Par
 
 
 def _param_sign(s: ir.State) -> ParamCopy:
-    return ParamCopy(-1.0 if isinstance(s.init, ir.Unary) else 1.0)
+    return ParamCopy(ir.initial_parts(s.init)[0])
 
 
 @dataclass(frozen=True)
@@ -62,13 +61,16 @@ def initial_scalars(spec: ir.Spec, cfg: StepConfig) -> dict[str, torch.Tensor]:
 
 
 def plain_state(spec: ir.Spec, param: torch.Tensor, cfg: StepConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Fresh state in `dtype`: per-element states present for these flags, then scalar states."""
+    """Fresh state in `dtype`: per-element states present for these flags, then scalar states. A state that
+    must stay exact (`ir.State.must_stay_exact`) is at least float32 (a bfloat16 `dtype` would ruin it)."""
+    exact = {s.name for s in spec.states if s.must_stay_exact}
     state: dict[str, torch.Tensor] = {}
     for name, value in initial_values(spec, cfg).items():
+        own = torch.promote_types(dtype, torch.float32) if name in exact else dtype
         if isinstance(value, ParamCopy):
-            state[name] = value.of(param, dtype)
+            state[name] = value.of(param, own)
         else:
-            state[name] = torch.full_like(param, value, dtype=dtype)
+            state[name] = torch.full_like(param, value, dtype=own)
     return {**state, **initial_scalars(spec, cfg)}
 
 

@@ -415,3 +415,29 @@ def test_quick_on_the_gpu(capsys):
     out = capsys.readouterr().out
     if launch._hopper_with_gluon(torch.device("cuda")):
         assert re.search(r"adamw\s+ws\s+per-step", out)
+
+
+EXACT_STATES = """\
+optimizer sf_exact "schedule-free-like: a state from the weights and an exact accumulator"
+hyper lr = 1e-2 in [0, inf)
+hyper beta = 0.9 in [0, 1)
+state z = param
+state v = 0 nonneg
+state e = 0 exact
+update {
+    v = v + (1 - beta) * (grad * grad - v)
+    e = e + grad
+    z = z - lr * grad / (sqrt(v) + 1e-8)
+    param = param + (1 - beta) * (z - param) + 1e-3 * e
+}
+"""
+
+
+def test_quick_passes_a_spec_whose_states_must_stay_exact(tmp_path):
+    """A state from `param` and an `exact` one stay fp32 in every layout forge-test draws, the "mixed" one too
+    (a layout dict that quantized them would be refused: `forge_dsl.api.state_layout`)."""
+    path = tmp_path / "sf_exact.fopt"
+    path.write_text(EXACT_STATES)
+    report = check_spec_kernels(str(path), quick=True)
+    assert report.ok, report.reproducer
+    assert {row.case.layout_label() for row in report.rows} >= {"int8", "mixed", "fp32"}

@@ -234,3 +234,16 @@ def test_optional_hyperparameter_none_or_given(spec_file, t_alpha_beta3):
     assert rel_err(w, ref_p) <= 1e-5
     with_none = forge_dsl.init_state(spec, p, t_alpha_beta3=None)  # None passed explicitly is the default
     assert set(with_none) == set(ref_state)
+
+
+def test_exact_states_are_float32_even_beside_bf16_weights_and_the_kernels_refuse_them_quantized(spec_file):
+    spec = forge_dsl.load_spec(spec_file(SCHEDULE_FREE))
+    w = torch.randn(8, 64).to(torch.bfloat16).to(DEVICE)
+    plain = forge_dsl.init_state(spec, w)  # layout None: the weight's dtype, but an exact state stays float32
+    assert plain["z"].dtype == torch.float32 and plain["m"].dtype == torch.bfloat16
+    assert torch.equal(plain["z"], w.float())
+    bad = dict(plain, z=plain["z"].to(torch.bfloat16))
+    g = torch.randn(8, 64).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match=r"state 'z' of sf_sgd must stay exact .* stored as torch.bfloat16"):
+        kernels.step(spec, w, g, bad, step=1)
+    kernels.step(spec, w, g, plain, step=1)  # the float32 one runs

@@ -300,6 +300,17 @@ def _check_device(t: torch.Tensor, what: str) -> None:
         )
 
 
+_EXACT: dict[int, tuple[Any, frozenset]] = {}  # id(spec) -> (spec, names): hashing a spec walks its whole IR
+
+
+def _exact_states(spec) -> frozenset[str]:
+    """The states of `spec` that only an fp32 tensor may hold (`ir.State.must_stay_exact`)."""
+    hit = _EXACT.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        hit = _EXACT[id(spec)] = (spec, frozenset(s.name for s in spec.states if s.must_stay_exact))
+    return hit[1]
+
+
 def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torch.Tensor], weight: torch.Tensor):
     """(kernel args [storage, scale, ...], layout constexprs {LAYOUT_name: code}) for the variant's states."""
     args: list[torch.Tensor] = []
@@ -320,6 +331,9 @@ def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torc
         layout = _LAYOUT_OF_DTYPE.get(t.dtype)
         if layout is None:
             raise ValueError(f"state '{name}' has dtype {t.dtype}; expected float32, bfloat16, int8 or uint8")
+        if layout != StateLayout.FP32 and name in _exact_states(spec):
+            raise ValueError(f"state '{name}' of {spec.name} must stay exact (see forge_dsl.api.state_layout) but is "
+                             f"stored as {t.dtype}; create it with forge_dsl.init_state, which keeps it float32")
         scale = state.get(f"{name}.scale")
         if layout in _QUANTIZED:
             rows, cols = as_rows(weight).shape

@@ -49,11 +49,13 @@ def make_problem(seed: int, w_dtype: torch.dtype, n=N, k=K, t=T, act: Optional[t
 
 def layout_for(spec: ir.Spec, which):
     """`init_state`'s layout argument: "fp32", "bf16", "int8", or "mixed": int8, bf16, fp32 by turns over the
-    spec's states (a dict). A dict is returned as is."""
+    spec's states that may be quantized (a dict; those that must stay exact are left out, so they stay fp32:
+    `forge_dsl.api.state_layout`). A dict is returned as is."""
     if which != "mixed":
         return which
     choices = ["int8", "bf16", "fp32"]
-    return {name: choices[i % 3] for i, name in enumerate(spec.state_names)}
+    free = [s.name for s in spec.states if not s.must_stay_exact]
+    return {name: choices[i % 3] for i, name in enumerate(free)}
 
 
 # ----------------------------------------------------------------------------
