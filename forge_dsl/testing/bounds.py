@@ -152,8 +152,7 @@ def update_slack(w_before: torch.Tensor, ref_after: torch.Tensor, spread: Option
     * `spread`: the update is a function of the gradient element by element, so the reference run at
       dW ± `dw_error_bound` brackets what the kernel's own dW gives (the sensitivity can be large: Adam's
       g / (|g| + ε) at |g| ≈ ε, a `sign()` whose argument the rounding flips).
-    Over the eight built-ins' `forge-test --quick` cases the worst element of a correct kernel reaches
-    0.35 of this bound (fp32 weights).
+    How close correct kernels come to it: docs/PERF.md v15.
     """
     w0, ref = w_before.double().cpu(), ref_after.double().cpu()
     d = (ref - w0).abs()
