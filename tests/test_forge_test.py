@@ -158,7 +158,7 @@ def test_update_a_tenth_of_a_percent_off_fails_a_state_free_spec(tmp_path, cache
     below a bf16 ulp, but every path and both weight dtypes fail the update's check."""
     off_by(monkeypatch, 1.001)
     path = write_spec(tmp_path, SIGN_DESCENT, "sign_descent", salt="lr 0.1 % off")
-    report = check_spec_kernels(path, quick=True, device="cpu")
+    report = check_spec_kernels(path, quick=True)
     assert not report.ok
     failed = {(r.case.path, r.case.weights) for r in report.rows if not r.ok and r.where.startswith("weight update")}
     assert {(p, w) for p in ("fused", "slab", "step") for w in ("fp32", "bf16")} <= failed, report.table()
@@ -167,7 +167,7 @@ def test_update_a_tenth_of_a_percent_off_fails_a_state_free_spec(tmp_path, cache
     monkeypatch.undo()
     monkeypatch.setenv("FORGE_DSL_CACHE", str(cache))
     fixed = write_spec(tmp_path, SIGN_DESCENT, "sign_descent_fixed", salt="correct")
-    assert check_spec_kernels(fixed, quick=True, device="cpu").ok
+    assert check_spec_kernels(fixed, quick=True).ok
 
 
 def test_update_a_tenth_of_a_percent_off_fails_fp32_weights_of_every_builtin(tmp_path, cache, monkeypatch):
@@ -402,7 +402,7 @@ def test_full_sweep_of_a_builtin(name, capsys):
 @pytest.mark.parametrize("name", forge_dsl.builtin_names())
 def test_quick_passes_every_builtin(name):
     """The correct kernels of every built-in pass the quick run, the update's checks included."""
-    report = check_spec_kernels(name, quick=True, device="cpu")
+    report = check_spec_kernels(name, quick=True)
     assert report.ok, report.reproducer
 
 

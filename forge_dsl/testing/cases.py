@@ -34,7 +34,7 @@ from ..layouts import StateLayout
 from ..reference import reference_step
 from .bounds import (FP32_REL_TOL, RoundingMean, as_float64_state, bound, dw_error_bound, layout_code, rel_err,
                      sign_tie_allowance, update_bound, update_slack, weight_bound)
-from .problems import K, N, T, layout_for, make_problem
+from .problems import K, N, T, default_device, layout_for, make_problem
 
 __all__ = ["Case", "CaseResult", "run_case", "load_against", "AGAINST_REL_TOL", "SCALAR_REL_TOL", "SLAB_ROWS",
            "FUSED_PATHS", "LINEAR_PATHS", "PATHS", "HALVES_CONFIG", "SPLIT_CONFIGS", "WS_CONFIG", "WS_EPILOGUES",
@@ -96,7 +96,7 @@ class Case:
         activations: "fp32" or "bf16"; default: the weights' dtype ("bf16" on the warp-specialized paths).
         steps: how many steps (1, 2, ...).
         seed: the data's seed (weights, activations, gradients) and the kernels' stochastic-rounding seed.
-        device: "cpu" (the Triton interpreter) or "cuda".
+        device: "cpu" (the Triton interpreter) or "cuda"; default "cuda" when there is a GPU.
         against: "MODULE:CLASS" of a torch.optim-style class, for check "against".
         combo: the flag combination's description (display only).
     """
@@ -114,7 +114,7 @@ class Case:
     activations: Optional[str] = None
     steps: int = 8
     seed: int = 0
-    device: str = "cpu"
+    device: str = field(default_factory=lambda: str(default_device()))
     against: Optional[str] = None
     combo: str = ""
 
