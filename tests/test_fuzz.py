@@ -359,32 +359,13 @@ def _mutants(mutate, name: str, data):
     return (mutate(SPECS[name], data) for _ in range(TRIES))
 
 
+@pytest.mark.parametrize("mutate", [_mutate_meaning, _mutate_same_class, _mutate_chars, _mutate_tokens],
+                         ids=["in_meaning", "same_class", "characters", "tokens"])
 @KERNEL_TEST
 @KERNEL
 @given(st.sampled_from(sorted(SPECS)), st.data(), SEEDS)
-def test_kernels_of_specs_mutated_in_meaning(name, data, seed):
-    load_first_and_check_kernel(_mutants(_mutate_meaning, name, data), seed)
-
-
-@KERNEL_TEST
-@KERNEL
-@given(st.sampled_from(sorted(SPECS)), st.data(), SEEDS)
-def test_kernels_of_mutated_specs_same_class(name, data, seed):
-    load_first_and_check_kernel(_mutants(_mutate_same_class, name, data), seed)
-
-
-@KERNEL_TEST
-@KERNEL
-@given(st.sampled_from(sorted(SPECS)), st.data(), SEEDS)
-def test_kernels_of_mutated_specs_characters(name, data, seed):
-    load_first_and_check_kernel(_mutants(_mutate_chars, name, data), seed)
-
-
-@KERNEL_TEST
-@KERNEL
-@given(st.sampled_from(sorted(SPECS)), st.data(), SEEDS)
-def test_kernels_of_mutated_specs_tokens(name, data, seed):
-    load_first_and_check_kernel(_mutants(_mutate_tokens, name, data), seed)
+def test_kernels_of_mutated_specs(mutate, name, data, seed):
+    load_first_and_check_kernel(_mutants(mutate, name, data), seed)
 
 
 @KERNEL_TEST
