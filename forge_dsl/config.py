@@ -42,7 +42,11 @@ class StepConfig:
     flags: dict[str, bool]
     combo: Combo
     variant: Combo = ()
-    host_inputs: dict[str, Any] = field(default_factory=dict)
+    host_inputs: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # derived once, here, so that dataclasses.replace(cfg, hypers=...) never keeps a stale copy
+        object.__setattr__(self, "host_inputs", {**self.hypers, **self.flags})
 
 
 def eval_host_expr(expr: ir.Expr, values: Mapping[str, Any]):
@@ -139,7 +143,7 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
     combo = tuple((f.name, flag_values[f.name]) for f in spec.flags) + tuple(
         (d.name, flag_values[d.name]) for d in spec.derived
     )
-    return StepConfig(values, flag_values, combo, variant_of(spec, combo), {**values, **flag_values})
+    return StepConfig(values, flag_values, combo, variant_of(spec, combo))
 
 
 def _show(v: float) -> str:

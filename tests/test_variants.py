@@ -119,3 +119,16 @@ def test_maximize_flips_the_update_like_torch():
         opt.step()
         kernels.step("adamw", w, g.to(DEVICE), state, step=step, lr=1e-2, weight_decay=0.1, maximize=True)
     assert rel_err(w, ref.detach()) <= 1e-5
+
+
+def test_step_config_host_inputs_follow_its_hypers_and_flags():
+    """host_inputs is derived from hypers and flags, so a replaced config (init_state's initial_hypers)
+    never carries a stale copy."""
+    import dataclasses
+
+    from forge_dsl.config import resolve_hypers
+
+    cfg = resolve_hypers(forge_dsl.load_spec("adamw"), {"lr": 0.5, "maximize": True})
+    assert cfg.host_inputs["lr"] == 0.5 and cfg.host_inputs["maximize"] is True
+    assert cfg.variant == (("amsgrad", False),)
+    assert dataclasses.replace(cfg, hypers={**cfg.hypers, "lr": 0.25}).host_inputs["lr"] == 0.25
