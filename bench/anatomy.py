@@ -40,9 +40,9 @@ from forge_dsl.bench import kernel as bench_kernel
 from forge_dsl.bench.common import device_name, git_commit, graph_ms as common_graph_ms
 from forge_dsl.config import resolve_hypers
 from forge_dsl.generated import adamw as adamw_module
-from forge_dsl.generated.adamw import _apply_v0, _load_v0
 from forge_dsl.kernels import TileConfig
 from forge_dsl.kernels.launch import fused_config, interpreting
+from forge_dsl.kernels.tile_kernels import apply_tile, load_tile
 from forge_dsl.kernels.triton_lib import accumulate_dw, accumulate_dw_halves, tile_at, tile_offsets
 
 CONFIGS = {
@@ -80,10 +80,10 @@ def token_loop_only(X, DY, OUT, T, N, K, stride_xt, stride_xk, stride_dyt, strid
 
 
 @triton.jit
-def adamw_persistent_ws(X, DY, W, S_m, S_v, h0, h1, h2, h3, h4, h5, h6, h7, seed, T, N, K,
+def adamw_persistent_ws(X, DY, W, STATES, HOST, seed, T, N, K, UPDATE: tl.constexpr,
                         NUM_PROGRAMS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, DOT_FP32: tl.constexpr):
-    """generated/adamw.py's fused kernel (bf16 weights and state, TMA) as a persistent loop over tiles
+    """`tile_kernels.fused` with AdamW's update (bf16 weights and state, TMA) as a persistent loop over tiles
     that Triton warp-specializes (a producer warp group for the TMA loads, consumers for dot + epilogue)."""
     num_tiles = tl.cdiv(N, BLOCK_N) * tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, warp_specialize=True):
@@ -97,10 +97,10 @@ def adamw_persistent_ws(X, DY, W, S_m, S_v, h0, h1, h2, h3, h4, h5, h6, h7, seed
                 b_x = b_x.to(tl.float32)
             acc = tl.dot(tl.trans(b_dy), b_x, acc)
         offs, mask = tile_offsets(offs_n, offs_k, N, K)
-        # bf16 state (layout 1): no block scales, so `offs` stands in for the unread scale offsets
-        r_w, r_m, q_m, r_v, q_v = _load_v0(W, S_m, S_m, S_v, S_v, offs, mask, offs, True, 1, 1, BLOCK_N, BLOCK_K)
-        _apply_v0(W, S_m, S_m, S_v, S_v, h0, h1, h2, h3, h4, h5, h6, h7, acc, r_w, r_m, q_m, r_v, q_v, offs, mask,
-                  offs, seed, True, True, 1, 1, BLOCK_N, BLOCK_K)
+        # bf16 state (layout 1): no block scales, so the storage and `offs` stand in for the unread scales
+        r_w, raws, scales = load_tile(W, STATES, STATES, offs, mask, offs, True, (1, 1), BLOCK_N, BLOCK_K)
+        apply_tile(W, STATES, STATES, HOST, acc, r_w, raws, scales, offs, mask, offs, seed, UPDATE, True, True,
+                   (1, 1), BLOCK_N, BLOCK_K)
 
 
 def graph_ms(fn) -> float:
@@ -183,8 +183,8 @@ def launch_adamw_ws(x, dy, w, state, cfg, *, seed: int = 1234, programs: int = 0
                    triton.cdiv(N, bn) * triton.cdiv(K, bk))
     adamw_persistent_ws[(programs,)](
         TensorDescriptor.from_tensor(x, [bt, bk]), TensorDescriptor.from_tensor(dy, [bt, bn]),
-        w.view(torch.int16), state["exp_avg"].view(torch.int16), state["exp_avg_sq"].view(torch.int16),
-        *exports, seed, T, N, K, NUM_PROGRAMS=programs, BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=8,
+        w.view(torch.int16), (state["exp_avg"].view(torch.int16), state["exp_avg_sq"].view(torch.int16)),
+        exports, seed, T, N, K, UPDATE=adamw_module.update_v0, NUM_PROGRAMS=programs, BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=8,
         DOT_FP32=interpreting(), num_warps=warps, num_stages=stages)
 
 

@@ -1,6 +1,6 @@
 """Who waits for whom in the warp-specialized fused kernel: a per-tile timeline of each partition (docs/PERF.md, v12e).
 
-The kernel below is `generated/adamw.py`'s `fused_ws_v0` (AdamW, no flags) with `%clock64` stamps at each
+The kernel below is `gluon_lib.fused_ws` with AdamW's update (no flags) and `%clock64` stamps at each
 barrier wait of its three partitions, written to a buffer TL [programs, tiles, SLOTS] int64. A program's
 partitions share one SM, so its stamps share one clock. Per tile j of a program:
 
@@ -26,12 +26,12 @@ import torch
 import triton.language as tl
 
 import forge_dsl
-from forge_dsl.generated.adamw import _apply_v0, _load_v0, _row_slice_ws_v0
 from forge_dsl.kernels import TileConfig
 from forge_dsl.kernels.gluon_lib import (
     _tma_load, descriptor, gl, gluon_jit, mbarrier, sm_count, warpgroup_mma, warpgroup_mma_wait, mma_layout,
-    ws_allocate, ws_read_slice, ws_slice_offsets, ws_tile_start, ws_tiles,
+    ws_allocate, ws_read_slice, ws_row_slice, ws_slice_offsets, ws_tile_start, ws_tiles,
 )
+from forge_dsl.kernels.tile_kernels import apply_tile, load_tile
 from forge_dsl.kernels.launch import (
     _hopper_with_gluon, _prepare_state, _variant, fused_config, fused_linear_step, mix_seed, rounding_code, triton_cdiv,
 )
@@ -108,16 +108,11 @@ def _accumulate_tl(X, DY, x_bufs, dy_bufs, ready, empty, it, T, n_start, k_start
 
 
 @gluon_jit
-def _mma_tl(
-    X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W,
-    S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq,
-    h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4, h_eps,
-    seed, N, K, n_blocks, TL,
-    W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUT_exp_avg: tl.constexpr, LAYOUT_exp_avg_sq: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr, MMA_SLICES: tl.constexpr,
-    MAX_TILES: tl.constexpr,
-):
-    """`generated/adamw.py`'s `_mma_ws_v0` with stamps (slots 0-4)."""
+def _mma_tl(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST, seed,
+            N, K, n_blocks, TL, UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+            LAYOUTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr,
+            MMA_SLICES: tl.constexpr, MAX_TILES: tl.constexpr):
+    """`gluon_lib.ws_mma` with stamps (slots 0-4)."""
     BN: tl.constexpr = DY.block_type.shape[1]
     BK: tl.constexpr = X.block_type.shape[1]
     SLICES: tl.constexpr = BN // SLICE_N
@@ -138,25 +133,17 @@ def _mma_tl(
         _put(TL, j, 4, _clock(), MAX_TILES)
         for r in tl.static_range(SLICES - MMA_SLICES, SLICES):
             b_grad = ws_read_slice(acc_smem, acc_empty, r, SLICES - 1, SLICE_N, WARPS)
-            _row_slice_ws_v0(
-                W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_maximize, h_tmp1, h_tmp2,
-                h_beta2, h_tmp3, h_tmp4, h_eps, b_grad, n_start + r * SLICE_N, k_start, N, K, n_blocks, seed, W_BF16,
-                STOCHASTIC, LAYOUT_exp_avg, LAYOUT_exp_avg_sq, SLICE_N, BK, WARPS,
-            )
+            ws_row_slice(W, STATES, SCALES, HOST, b_grad, n_start + r * SLICE_N, k_start, N, K, n_blocks, seed,
+                         UPDATE, W_BF16, STOCHASTIC, LAYOUTS, SLICE_N, BK, WARPS)
         j += 1
 
 
 @gluon_jit
-def _epilogue_tl(
-    W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq,
-    h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4, h_eps,
-    acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL,
-    W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUT_exp_avg: tl.constexpr, LAYOUT_exp_avg_sq: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr, EPILOGUE_WARPS: tl.constexpr,
-    MMA_SLICES: tl.constexpr, MAX_TILES: tl.constexpr,
-):
-    """`generated/adamw.py`'s `_epilogue_ws_v0` (its prefetching form, the default with bf16 state) with stamps
-    (slots 5-7)."""
+def _epilogue_tl(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL,
+                 UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
+                 NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr,
+                 EPILOGUE_WARPS: tl.constexpr, MMA_SLICES: tl.constexpr, MAX_TILES: tl.constexpr):
+    """`gluon_lib.ws_epilogue` (its prefetching form, the default with bf16 state) with stamps (slots 5-7)."""
     BN: tl.constexpr = acc_smem.type.shape[0]
     BK: tl.constexpr = acc_smem.type.shape[1]
     SLICES: tl.constexpr = BN // SLICE_N - MMA_SLICES
@@ -165,10 +152,7 @@ def _epilogue_tl(
     for tile in range(first, num_tiles, NUM_PROGRAMS):
         n_start, k_start = ws_tile_start(tile, N, K, BN, BK, GROUP_N)
         offs, mask, scale_offs = ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N, BK, EPILOGUE_WARPS)
-        r_param, r_exp_avg, q_exp_avg, r_exp_avg_sq, q_exp_avg_sq = _load_v0(
-            W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, offs, mask, scale_offs, W_BF16,
-            LAYOUT_exp_avg, LAYOUT_exp_avg_sq, SLICE_N, BK,
-        )
+        r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, SLICE_N, BK)
         _put(TL, j, 5, _clock(), MAX_TILES)
         mbarrier.wait(acc_ready, j & 1)
         _put(TL, j, 6, _clock(), MAX_TILES)
@@ -177,72 +161,52 @@ def _epilogue_tl(
             if r + 1 < SLICES:
                 next_offs, next_mask, next_scale_offs = ws_slice_offsets(
                     n_start + (r + 1) * SLICE_N, k_start, N, K, n_blocks, SLICE_N, BK, EPILOGUE_WARPS)
-                next_r_param, next_r_exp_avg, next_q_exp_avg, next_r_exp_avg_sq, next_q_exp_avg_sq = _load_v0(
-                    W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, next_offs, next_mask,
-                    next_scale_offs, W_BF16, LAYOUT_exp_avg, LAYOUT_exp_avg_sq, SLICE_N, BK,
-                )
-            _apply_v0(
-                W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_maximize, h_tmp1, h_tmp2,
-                h_beta2, h_tmp3, h_tmp4, h_eps, acc, r_param, r_exp_avg, q_exp_avg, r_exp_avg_sq,
-                q_exp_avg_sq, offs, mask, scale_offs, seed, W_BF16, STOCHASTIC, LAYOUT_exp_avg,
-                LAYOUT_exp_avg_sq, SLICE_N, BK,
-            )
+                next_r_param, next_raws, next_scales = load_tile(
+                    W, STATES, SCALES, next_offs, next_mask, next_scale_offs, W_BF16, LAYOUTS, SLICE_N, BK)
+            apply_tile(W, STATES, SCALES, HOST, acc, r_param, raws, scales, offs, mask, scale_offs, seed, UPDATE,
+                       W_BF16, STOCHASTIC, LAYOUTS, SLICE_N, BK)
             if r + 1 < SLICES:
                 offs, mask, scale_offs = next_offs, next_mask, next_scale_offs
-                r_param = next_r_param
-                r_exp_avg = next_r_exp_avg
-                q_exp_avg = next_q_exp_avg
-                r_exp_avg_sq = next_r_exp_avg_sq
-                q_exp_avg_sq = next_q_exp_avg_sq
+                r_param, raws, scales = next_r_param, next_raws, next_scales
         _put(TL, j, 7, _clock(), MAX_TILES)
         _put(TL, j, 10, _nanoseconds(), MAX_TILES)
         j += 1
 
 
 @gluon_jit(do_not_specialize=["seed", "T"])
-def fused_tl(
-    X, DY, W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq,
-    h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4, h_eps,
-    seed, T, N, K, n_blocks, TL,
-    W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUT_exp_avg: tl.constexpr, LAYOUT_exp_avg_sq: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, STAGES: tl.constexpr, SLICE_N: tl.constexpr,
-    EPILOGUE_WARPS: tl.constexpr, MMA_WARPS: tl.constexpr, MMA_REGISTERS: tl.constexpr, MMA_SLICES: tl.constexpr,
-    MAX_TILES: tl.constexpr,
-):
-    """`generated/adamw.py`'s `fused_ws_v0` with the three stamped partitions."""
+def fused_tl(X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks, TL, UPDATE: tl.constexpr,
+             W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+             GROUP_N: tl.constexpr, STAGES: tl.constexpr, SLICE_N: tl.constexpr, EPILOGUE_WARPS: tl.constexpr,
+             MMA_WARPS: tl.constexpr, MMA_REGISTERS: tl.constexpr, MMA_SLICES: tl.constexpr,
+             MAX_TILES: tl.constexpr):
+    """`gluon_lib.fused_ws` with the three stamped partitions."""
     x_bufs, dy_bufs, acc_smem, ready, empty, acc_ready, acc_empty = ws_allocate(X, DY, STAGES, MMA_SLICES)
     gl.warp_specialize([
-        (_epilogue_tl, (
-            W, S_exp_avg, SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2,
-            h_tmp3, h_tmp4, h_eps, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL, W_BF16, STOCHASTIC,
-            LAYOUT_exp_avg, LAYOUT_exp_avg_sq, NUM_PROGRAMS, GROUP_N, SLICE_N, EPILOGUE_WARPS, MMA_SLICES,
-            MAX_TILES,
-        )),
+        (_epilogue_tl, (W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL, UPDATE,
+                        W_BF16, STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N, EPILOGUE_WARPS, MMA_SLICES,
+                        MAX_TILES)),
         (_loader_tl, (X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, TL, NUM_PROGRAMS, GROUP_N, MAX_TILES)),
-        (_mma_tl, (
-            X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, S_exp_avg,
-            SCALE_exp_avg, S_exp_avg_sq, SCALE_exp_avg_sq, h_tmp0, h_maximize, h_tmp1, h_tmp2, h_beta2, h_tmp3, h_tmp4,
-            h_eps, seed, N, K, n_blocks, TL, W_BF16, STOCHASTIC, LAYOUT_exp_avg, LAYOUT_exp_avg_sq, NUM_PROGRAMS,
-            GROUP_N, SLICE_N, MMA_SLICES, MAX_TILES,
-        )),
+        (_mma_tl, (X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST,
+                   seed, N, K, n_blocks, TL, UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N,
+                   MMA_SLICES, MAX_TILES)),
     ], [1, MMA_WARPS], [24, MMA_REGISTERS])
 
 
 def launch(x, dy, weight, state, cfg: TileConfig, *, step: int, seed: int, timeline: torch.Tensor, **hypers):
-    """One call of `fused_tl`, with the arguments `launch._launch_warp_specialized` gives `fused_ws_v0`.
+    """One call of `fused_tl`, with the arguments `launch._launch_warp_specialized` gives `gluon_lib.fused_ws`.
 
     x [T, K], dy [T, N] bf16; weight [N, K] bf16; state: AdamW's, bf16 layout; timeline [programs, tiles, SLOTS]
     int64, filled in place."""
     T, K = x.shape
     N = dy.shape[1]
     spec = forge_dsl.load_spec("adamw")
-    _, _, _, names, exports, _ = _variant(spec, hypers, step, state)
-    state_args, layouts = _prepare_state(spec, names, state, weight)
+    update, names, exports, _ = _variant(spec, hypers, step, state)
+    states = _prepare_state(spec, names, state, weight)
     programs, max_tiles = timeline.shape[:2]
     fused_tl[(programs,)](
         descriptor(x, [cfg.block_t, cfg.block_k]), descriptor(dy, [cfg.block_t, cfg.block_n]), weight.view(torch.int16),
-        *state_args, *exports, mix_seed(seed, step), T, N, K, n_blocks(K), timeline,
-        W_BF16=True, STOCHASTIC=rounding_code("stochastic", K), **layouts,
+        states.storage, states.scales, exports, mix_seed(seed, step), T, N, K, n_blocks(K), timeline,
+        UPDATE=update, W_BF16=True, STOCHASTIC=rounding_code("stochastic", K), LAYOUTS=states.layouts,
         NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages, SLICE_N=cfg.block_n // cfg.epilogue_split,
         EPILOGUE_WARPS=cfg.num_warps, MMA_WARPS=cfg.mma_warps, MMA_REGISTERS=cfg.mma_registers,
         MMA_SLICES=cfg.mma_slices, MAX_TILES=max_tiles, num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg,

@@ -202,19 +202,6 @@ def _elem_operand(o: Operand, bool_exports: set[str]) -> str:
     return f"({name} != 0)" if o.name in bool_exports else name
 
 
-def _wrapped_args(args: list[str], indent: str, width: int = 110) -> str:
-    """Call arguments, comma-separated, wrapped at `width` columns, each line starting with `indent`."""
-    lines, line = [], indent
-    for arg in args:
-        piece = arg + ","
-        if line.strip() and len(line) + 1 + len(piece) > width:
-            lines.append(line)
-            line = indent
-        line = line + (" " if line.strip() else "") + piece
-    lines.append(line)
-    return "\n".join(lines)
-
-
 def _int_power(base: str, n: int) -> str:
     """base ** n for an integer n >= 1 by multiplications: in a row up to 4, by squaring above."""
     if n <= 4:
@@ -331,76 +318,18 @@ def _variant_data(spec: ir.Spec, index: int, low: Lowered) -> dict:
                     any(a.kind == kind and a.name == name for i in low.host for a in i.args)
                     or any(o.kind == kind and o.name == name for o in low.exports)
                     or any(o.kind == kind and o.name == name for _, o in low.scalar_updates)]
-    state_ptrs = [name for s in states for name in (f"S_{s}", f"SCALE_{s}")]
-    exports = [f"h_{n}" for n in export_names]
-    layouts = [f"LAYOUT_{s}" for s in states]
-    common = ["n_blocks", "seed", "W_BF16", "STOCHASTIC"]
-
-    raw = ["r_param"] + [name for s in states for name in (f"r_{s}", f"q_{s}")]
-
-    def load_args(weight: str, indent: str, block_k: str = "BLOCK_K", block_n: str = "BLOCK_N",
-                  prefix: str = "") -> str:
-        return _wrapped_args(
-            [weight, *state_ptrs, f"{prefix}offs", f"{prefix}mask", f"{prefix}scale_offs", "W_BF16", *layouts,
-             block_n, block_k],
-            indent,
-        )
-
-    def apply_args(weight: str, grad: str, indent: str, block_k: str = "BLOCK_K", block_n: str = "BLOCK_N") -> str:
-        return _wrapped_args(
-            [weight, *state_ptrs, *exports, grad, *raw, "offs", "mask", "scale_offs", "seed", "W_BF16",
-             "STOCHASTIC", *layouts, block_n, block_k],
-            indent,
-        )
-
-    def row_slice_args(grad: str, warps: str, indent: str) -> str:
-        return _wrapped_args(["W", *state_ptrs, *exports, grad, "n_start + r * SLICE_N", "k_start", "N", "K",
-                              "n_blocks", "seed", "W_BF16", "STOCHASTIC", *layouts, "SLICE_N", "BK", warps], indent)
-
     return {
-        "raw": raw,
-        "load_args": load_args("W", " " * 12),
-        "load_args_slice": load_args("W", " " * 8, "SLICE_K"),
-        "load_args_step": load_args("P", " " * 8),
-        "apply_fused": apply_args("W", "acc", " " * 12),
-        "apply_slice": apply_args("W", "acc", " " * 8, "SLICE_K"),
-        # the fused kernel's calls of _slice_v<i>, for 2 and 4 slices: (accumulator slice, its first column)
-        "slice_calls": {split: [_wrapped_args(["W", *state_ptrs, *exports, acc, "offs_n", k, "N", "K", *common,
-                                               *layouts, "BLOCK_N", "SLICE_K"], " " * 16) for acc, k in slices]
-                        for split, slices in ((2, [("acc_a", "k_start"), ("acc_b", "k_start + SLICE_K")]),
-                                              (4, [(f"acc_{i}", f"k_start + {i} * SLICE_K" if i else "k_start")
-                                                   for i in range(4)]))},
-        "apply_step": apply_args("P", "b_grad", " " * 8),
-        # the warp-specialized kernel: [SLICE_N, BK] row slices, prefetched by the epilogue partition ...
-        "load_args_ws": load_args("W", " " * 16, "BK", "SLICE_N"),
-        "load_args_ws_next": load_args("W", " " * 24, "BK", "SLICE_N", prefix="next_"),
-        "next_raw": [f"next_{name}" for name in raw],
-        "apply_ws": apply_args("W", "acc", " " * 20, "BK", "SLICE_N"),
-        # ... or not (_row_slice_ws_v<i>, in either partition)
-        "load_args_row_slice": load_args("W", " " * 8, "BK", "SLICE_N"),
-        "apply_row_slice": apply_args("W", "b_grad", " " * 8, "BK", "SLICE_N"),
-        "row_slice_args_epilogue": row_slice_args("acc", "EPILOGUE_WARPS", " " * 20),
-        "row_slice_args_mma": row_slice_args("b_grad", "WARPS", " " * 16),
-        "epilogue_ws_args": _wrapped_args(["W", *state_ptrs, *exports, "acc_smem", "acc_ready", "acc_empty", "seed",
-                                           "N", "K", "n_blocks", "W_BF16", "STOCHASTIC", *layouts, "NUM_PROGRAMS",
-                                           "GROUP_N", "SLICE_N", "EPILOGUE_WARPS", "PREFETCH", "MMA_SLICES"],
-                                          " " * 12),
-        "mma_ws_args": _wrapped_args(["X", "DY", "x_bufs", "dy_bufs", "ready", "empty", "acc_smem", "acc_ready",
-                                      "acc_empty", "T", "W", *state_ptrs, *exports, "seed", "N", "K", "n_blocks",
-                                      "W_BF16", "STOCHASTIC", *layouts, "NUM_PROGRAMS", "GROUP_N", "SLICE_N",
-                                      "MMA_SLICES"], " " * 12),
+        "state_tiles": [f"b_{s}" for s in states],
         "index": index,
         "combo": describe_combo(low.combo) or "no flags",
         "combo_key": repr(tuple(low.combo)),
         "states": states,
-        "exports": [f"h_{n}" for n in export_names],
+        "exports": [f"h_{n}" for n in export_names],  # the update's names of the host scalars, in order
         "host_hypers": reads_hypers,
         "host_scalars": reads_scalars,
         "host_lines": host_lines,
         "host_returns": returns,
         "scalar_updates": scalar_updates,
-        "update_args": ["b_param", "b_grad"] + [f"b_{s}" for s in states],
-        "update_targets": ["b_param"] + [f"b_{s}" for s in states],
         "update_lines": update_lines,
         "update_returns": outputs,
     }
@@ -434,17 +363,13 @@ def render_module(spec: ir.Spec, output: str = "cache") -> str:
     if not (spec.name.isascii() and spec.name.isidentifier()):
         raise ValueError(f"spec name {spec.name!r} is not an identifier")
     variants = [_variant_data(spec, i, low) for i, low in enumerate(lower_all(spec))]
-    lib_imports = ["accumulate_dw", "accumulate_dw_halves", "block_scale_offsets", "decode_weight", "load_weight",
-                   "load_weight_raw", "split_columns", "store_weight", "tile_at", "tile_offsets"]
-    if any(v["states"] for v in variants):
-        lib_imports += ["decode_state", "load_state_raw", "store_state"]
-    lib_imports += sorted({f for f in LIB_FUNCTIONS.values() for v in variants for line in v["update_lines"]
-                           if f"{f}(" in line.expr})
+    lib_imports = sorted({f for f in LIB_FUNCTIONS.values() for v in variants for line in v["update_lines"]
+                          if f"{f}(" in line.expr})
     needs_op = any("_op(" in line.expr for v in variants for line in v["host_lines"])
     spec_file, regenerate = (part.format(name=spec.name) for part in OUTPUTS[output])
     template = _environment().get_template("module.py.j2")
     return _seal(template.render(
-        lib_imports=sorted(lib_imports),
+        lib_imports=lib_imports,
         needs_op=needs_op,
         spec_name=spec.name,
         spec_doc=_docstring_text(spec.doc or spec.name),

@@ -227,7 +227,7 @@ def test_description_is_rendered_safely(tmp_path, doc):
     text = codegen.render_module(dataclasses.replace(spec, doc=doc), "beside")
     tree = ast.parse(text)  # a NUL byte would make it a SyntaxError
     docstring = ast.get_docstring(tree, clean=False)
-    shown = docstring.split(": tile-fused")[0]
+    shown = docstring.split(": the per-element update")[0]
     assert all(c.isprintable() and c not in "\"\\" for c in shown)
     assert shown == "".join(c if c.isprintable() and c not in "\"\\" else "?" for c in doc)
     imports = {(n.module if isinstance(n, ast.ImportFrom) else n.names[0].name)
@@ -235,7 +235,7 @@ def test_description_is_rendered_safely(tmp_path, doc):
     assert imports <= {"triton", "triton.language", "forge_dsl.kernels.triton_lib", "forge_dsl.kernels.gluon_lib",
                        "forge_dsl.scalar_ops"}
     if doc.startswith("caf"):
-        assert "caf\u00e9 \u2014 ok: tile-fused" in text
+        assert "caf\u00e9 \u2014 ok: the per-element update" in text
 
 
 def test_require_message_is_not_rendered(tmp_path):

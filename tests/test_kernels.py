@@ -369,8 +369,8 @@ def test_default_tile_configs_on_the_h200():
     assert ws.prefetch  # bf16 weights and two bf16 states: 6 bytes per element
     assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, stored_bytes=10).prefetch  # two fp32 states
     assert launch.fused_config(512, 4096, 4096, cuda, hopper=True, stored_bytes=10).mma_slices == 0  # not measured
-    assert launch.stored_bytes(True, {"LAYOUT_m": 1, "LAYOUT_v": 0}) == 8
-    assert launch.stored_bytes(False, {"LAYOUT_m": 2}) == 5
+    assert launch.stored_bytes(True, (1, 0)) == 8  # layout codes: BF16, FP32
+    assert launch.stored_bytes(False, (2,)) == 5  # INT8
     assert ws.mma_slices == 0  # the epilogue warps update every slice ...
     for T, n, k in ((8192, 14336, 4096), (2048, 128256, 4096), (513, 1024, 4096)):
         assert launch.fused_config(T, n, k, cuda, hopper=True) == ws

@@ -1,20 +1,19 @@
-"""The spec-independent parts of the warp-specialized fused kernel, in Gluon, for Hopper GPUs (sm_90).
+"""The warp-specialized fused kernel, in Gluon, for Hopper GPUs (sm_90): `fused_ws`.
 
-The Triton fused kernel (`fused_v<i>`) runs its token loop and its epilogue in the same warps, one
+The Triton fused kernel (`tile_kernels.fused`) runs its token loop and its epilogue in the same warps, one
 after the other: the tensor cores wait while a tile's weights and state are updated (docs/PERF.md, v4).
-The warp-specialized kernel (`fused_ws_v<i>`, generated beside it) gives each SM one persistent
-program of three partitions that work on different tiles at once:
+`fused_ws` takes the same arguments (a spec's update passed in as `UPDATE`) and gives each SM one
+persistent program of three partitions that work on different tiles at once:
 
-  `loader`   (1 warp)   TMA copies of DY [BLOCK_T, BN] and X [BLOCK_T, BK] blocks into a ring of
-                        STAGES shared-memory buffers (`ready` / `empty` barriers per buffer);
-  `mma`      (MMA_WARPS; generated per spec variant, `_mma_ws_v<i>`, from `ws_accumulate` and
-                        `ws_hand_over`) wgmma: acc [BN, BK] fp32 += DY blockᵀ · X block over every
-                        token block, then the finished tile goes to shared memory (`acc_smem`, 64 KiB);
-                        with MMA_SLICES > 0 it updates the tile's last MMA_SLICES row slices itself
-                        (where the token loop is shorter than the epilogue), then starts its next tile;
-  epilogue   (the kernel's num_warps; generated per spec variant, `_epilogue_ws_v<i>`)
-                        reads `acc_smem` in [SLICE_N, BK] row slices (the others) and applies the spec's
-                        `_load_v<i>` / `_apply_v<i>` (the same update code as the Triton kernels).
+  `ws_loader`   (1 warp)   TMA copies of DY [BLOCK_T, BN] and X [BLOCK_T, BK] blocks into a ring of
+                           STAGES shared-memory buffers (`ready` / `empty` barriers per buffer);
+  `ws_mma`      (MMA_WARPS) wgmma: acc [BN, BK] fp32 += DY blockᵀ · X block over every token block
+                           (`ws_accumulate`), then the finished tile goes to shared memory (`acc_smem`,
+                           64 KiB, `ws_hand_over`); with MMA_SLICES > 0 it updates the tile's last
+                           MMA_SLICES row slices itself (where the token loop is shorter than the
+                           epilogue), then starts its next tile;
+  `ws_epilogue` (the kernel's num_warps) reads `acc_smem` in [SLICE_N, BK] row slices (the others) and
+                           applies `tile_kernels.load_tile` / `apply_tile` (the Triton kernels' epilogue).
 
 Tiles are 128 × 128 (BN × BK), visited by every partition in the same order: tile `program_id +
 i · NUM_PROGRAMS`, grouped as `triton_lib.grouped_tile` orders them. The dW tile exists only in the
@@ -27,7 +26,7 @@ handed back.
 
 Gluon is Triton's lower-level dialect (`triton.experimental.gluon`, Triton ≥ 3.6 here). It has no
 interpreter, so these kernels run only compiled on a GPU; `AVAILABLE` is False where this Triton
-lacks it, and then the generated `fused_ws_v<i>` are None (`launch.fused_config` never picks them).
+lacks it, and then `fused_ws` is None (`launch.fused_config` never picks it).
 """
 
 
@@ -36,6 +35,7 @@ import functools
 import triton
 import triton.language as tl
 
+from .tile_kernels import apply_tile, load_tile
 from .triton_lib import grouped_tile
 
 try:
@@ -50,9 +50,9 @@ except ImportError:  # an older Triton: the Triton kernels only
     gluon = gl = mbarrier = None
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "descriptor", "gl", "gluon_jit", "mbarrier", "shared_layout", "sm_count", "ws_allocate",
-           "ws_accumulate", "ws_hand_over", "ws_loader", "ws_read_slice", "ws_slice_offsets", "ws_tile_start",
-           "ws_tiles"]
+__all__ = ["AVAILABLE", "descriptor", "fused_ws", "gl", "gluon_jit", "mbarrier", "shared_layout", "sm_count",
+           "ws_allocate", "ws_accumulate", "ws_epilogue", "ws_hand_over", "ws_loader", "ws_mma", "ws_read_slice",
+           "ws_row_slice", "ws_slice_offsets", "ws_tile_start", "ws_tiles"]
 
 
 def gluon_jit(fn=None, **kwargs):
@@ -205,6 +205,108 @@ def ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N: tl.constexpr, BK
     local = gl.max(gl.reshape(local, [SLICE_N, BK // 64, 64]), axis=2)  # [SLICE_N, BK // 64]
     scale_offs = (n_start.to(gl.int64) * n_blocks + k_start // 64) + local.to(gl.int64)
     return offs, mask, scale_offs
+
+
+@gluon_jit
+def ws_row_slice(W, STATES, SCALES, HOST, b_grad, n_start, k_start, N, K, n_blocks, seed, UPDATE: tl.constexpr,
+                 W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr, SLICE_N: tl.constexpr,
+                 BK: tl.constexpr, WARPS: tl.constexpr):
+    """The update of rows n_start + [0, SLICE_N), columns k_start + [0, BK) from their dW b_grad [SLICE_N, BK]
+    fp32 (in `epilogue_layout(WARPS)`): load the weights and states, update, store. For either partition of
+    `fused_ws` that updates a row slice without prefetching it."""
+    offs, mask, scale_offs = ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N, BK, WARPS)
+    r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, SLICE_N, BK)
+    apply_tile(W, STATES, SCALES, HOST, b_grad, r_param, raws, scales, offs, mask, scale_offs, seed, UPDATE, W_BF16,
+               STOCHASTIC, LAYOUTS, SLICE_N, BK)
+
+
+@gluon_jit
+def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks,
+                UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
+                NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr,
+                EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr, MMA_SLICES: tl.constexpr):
+    """The epilogue partition of `fused_ws`: for each of this program's tiles, wait for its dW in acc_smem
+    [BN, BK], then update its weights and states a [SLICE_N, BK] row slice at a time (all but the last
+    MMA_SLICES, which `ws_mma` updates). PREFETCH: each slice's loads go out before the update of the slice
+    before it (the first slice's, before the tile's dW is ready), so the memory system always has a slice in
+    flight (more registers)."""
+    BN: tl.constexpr = acc_smem.type.shape[0]
+    BK: tl.constexpr = acc_smem.type.shape[1]
+    SLICES: tl.constexpr = BN // SLICE_N - MMA_SLICES  # this partition's, per tile
+    first, num_tiles = ws_tiles(N, K, BN, BK)
+    j = 0
+    for tile in range(first, num_tiles, NUM_PROGRAMS):
+        n_start, k_start = ws_tile_start(tile, N, K, BN, BK, GROUP_N)
+        if PREFETCH:
+            offs, mask, scale_offs = ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N, BK, EPILOGUE_WARPS)
+            r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, SLICE_N,
+                                              BK)
+        mbarrier.wait(acc_ready, j & 1)
+        for r in tl.static_range(SLICES):
+            acc = ws_read_slice(acc_smem, acc_empty, r, SLICES - 1, SLICE_N, EPILOGUE_WARPS)  # [SLICE_N, BK] fp32
+            if not PREFETCH:
+                ws_row_slice(W, STATES, SCALES, HOST, acc, n_start + r * SLICE_N, k_start, N, K, n_blocks, seed,
+                             UPDATE, W_BF16, STOCHASTIC, LAYOUTS, SLICE_N, BK, EPILOGUE_WARPS)
+            else:
+                if r + 1 < SLICES:  # the next slice's loads, before this slice's update
+                    next_offs, next_mask, next_scale_offs = ws_slice_offsets(
+                        n_start + (r + 1) * SLICE_N, k_start, N, K, n_blocks, SLICE_N, BK, EPILOGUE_WARPS)
+                    next_r_param, next_raws, next_scales = load_tile(
+                        W, STATES, SCALES, next_offs, next_mask, next_scale_offs, W_BF16, LAYOUTS, SLICE_N, BK)
+                apply_tile(W, STATES, SCALES, HOST, acc, r_param, raws, scales, offs, mask, scale_offs, seed, UPDATE,
+                           W_BF16, STOCHASTIC, LAYOUTS, SLICE_N, BK)
+                if r + 1 < SLICES:
+                    offs, mask, scale_offs = next_offs, next_mask, next_scale_offs
+                    r_param, raws, scales = next_r_param, next_raws, next_scales
+        j += 1
+
+
+@gluon_jit
+def ws_mma(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST, seed,
+           N, K, n_blocks, UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+           LAYOUTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr,
+           MMA_SLICES: tl.constexpr):
+    """The mma partition of `fused_ws`: for each of this program's tiles, dW [BN, BK] by wgmma into acc_smem
+    (`ws_accumulate`, `ws_hand_over`); then, while the epilogue updates the tile's other row slices, the last
+    MMA_SLICES [SLICE_N, BK] ones here, before the next tile's token loop (worth it where that loop is shorter
+    than the epilogue)."""
+    BN: tl.constexpr = DY.block_type.shape[1]
+    BK: tl.constexpr = X.block_type.shape[1]
+    SLICES: tl.constexpr = BN // SLICE_N
+    WARPS: tl.constexpr = gl.num_warps()
+    first, num_tiles = ws_tiles(N, K, BN, BK)
+    it = 0
+    j = 0
+    for tile in range(first, num_tiles, NUM_PROGRAMS):
+        n_start, k_start = ws_tile_start(tile, N, K, BN, BK, GROUP_N)
+        acc, it = ws_accumulate(X, DY, x_bufs, dy_bufs, ready, empty, it, T, n_start, k_start)  # [BN, BK] fp32
+        ws_hand_over(acc, acc_smem, acc_ready, acc_empty, j)
+        for r in tl.static_range(SLICES - MMA_SLICES, SLICES):
+            b_grad = ws_read_slice(acc_smem, acc_empty, r, SLICES - 1, SLICE_N, WARPS)  # [SLICE_N, BK] fp32
+            ws_row_slice(W, STATES, SCALES, HOST, b_grad, n_start + r * SLICE_N, k_start, N, K, n_blocks, seed,
+                         UPDATE, W_BF16, STOCHASTIC, LAYOUTS, SLICE_N, BK, WARPS)
+        j += 1
+
+
+@gluon_jit(do_not_specialize=["seed", "T"])
+def fused_ws(X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks,
+              UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
+              NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, STAGES: tl.constexpr, SLICE_N: tl.constexpr,
+              EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr, MMA_WARPS: tl.constexpr,
+              MMA_REGISTERS: tl.constexpr, MMA_SLICES: tl.constexpr):
+    """`tile_kernels.fused` warp-specialized (Hopper, Gluon): NUM_PROGRAMS persistent programs, each a TMA
+    loader warp (`ws_loader`), MMA_WARPS warps of `ws_mma` accumulating one tile's dW = DY[T, N]ᵀ · X[T, K]
+    while the EPILOGUE_WARPS of `ws_epilogue` update the tile before it. X, DY: TMA descriptors with blocks
+    [BT, BK] and [BT, BN]; the other arguments as for `tile_kernels.fused`."""
+    x_bufs, dy_bufs, acc_smem, ready, empty, acc_ready, acc_empty = ws_allocate(X, DY, STAGES, MMA_SLICES)
+    gl.warp_specialize([
+        (ws_epilogue, (W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, UPDATE, W_BF16,
+                       STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N, EPILOGUE_WARPS, PREFETCH, MMA_SLICES)),
+        (ws_loader, (X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, NUM_PROGRAMS, GROUP_N)),
+        (ws_mma, (X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST,
+                  seed, N, K, n_blocks, UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N,
+                  MMA_SLICES)),
+    ], [1, MMA_WARPS], [24, MMA_REGISTERS])
 
 
 # ---------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class TileConfig:
     # slices in the Triton kernel, row slices in the warp-specialized one
     epilogue_split: Optional[int] = None
     maxnreg: Optional[int] = None  # cap on registers per thread (more programs per SM; the rest spills)
-    # Warp-specialized kernel (`fused_ws_v<i>`, Hopper GPUs, forge_dsl/kernels/gluon_lib.py) when mma_warps is 4
+    # Warp-specialized kernel (`gluon_lib.fused_ws`, Hopper GPUs) when mma_warps is 4
     # or 8: one persistent program per SM, a TMA loader warp, mma_warps warps of wgmma (mma_registers each),
     # num_warps epilogue warps, num_stages ring buffers; the epilogue reads a tile in epilogue_split row slices.
     mma_warps: int = 0
@@ -231,13 +231,13 @@ WS_MMA_SLICE_MAX_TOKENS = 512  # up to this T, the warp-specialized kernel's MMA
 _STORED_BYTES = {StateLayout.FP32: 4, StateLayout.BF16: 2, StateLayout.INT8: 1, StateLayout.UINT8_SQRT: 1}
 
 
-def stored_bytes(w_bf16: bool, layouts: dict) -> int:
-    """Bytes per element of a weight (bf16 or fp32) and its states (`LAYOUT_<name>` → layout code)."""
-    return (2 if w_bf16 else 4) + sum(_STORED_BYTES[StateLayout(code)] for code in layouts.values())
+def stored_bytes(w_bf16: bool, layouts: tuple[int, ...]) -> int:
+    """Bytes per element of a weight (bf16 or fp32) and its states (their layout codes)."""
+    return (2 if w_bf16 else 4) + sum(_STORED_BYTES[StateLayout(code)] for code in layouts)
 
 
 def _hopper_with_gluon(device: torch.device) -> bool:
-    """Whether `fused_ws_v<i>` runs on `device`: a Hopper GPU (sm_90), a Triton with Gluon, no interpreter."""
+    """Whether `gluon_lib.fused_ws` runs on `device`: a Hopper GPU (sm_90), a Triton with Gluon, no interpreter."""
     if device.type != "cuda" or interpreting():
         return False
     return _hopper_gpu_with_gluon(device.index if device.index is not None else torch.cuda.current_device())
@@ -311,10 +311,27 @@ def _exact_states(spec) -> frozenset[str]:
     return hit[1]
 
 
-def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torch.Tensor], weight: torch.Tensor):
-    """(kernel args [storage, scale, ...], layout constexprs {LAYOUT_name: code}) for the variant's states."""
-    args: list[torch.Tensor] = []
-    layouts: dict[str, int] = {}
+@dataclass(frozen=True)
+class StateArgs:
+    """The kernels' state arguments (`tile_kernels`) for a variant's states `names`, in that order: each
+    state's storage (bf16 as its int16 view), its block scales (int8 / uint8; the storage itself, never
+    read, otherwise) and its layout code."""
+
+    storage: tuple[torch.Tensor, ...]
+    scales: tuple[torch.Tensor, ...]
+    layouts: tuple[int, ...]
+
+    def rows(self, r0: int, r1: int) -> "StateArgs":
+        """The arguments of rows [r0, r1) of a 2-D parameter (storage [N, K] and scales [N, K / 64] alike)."""
+        return StateArgs(tuple(t[r0:r1] for t in self.storage), tuple(t[r0:r1] for t in self.scales), self.layouts)
+
+
+def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torch.Tensor],
+                   weight: torch.Tensor) -> StateArgs:
+    """The kernels' arguments for the variant's states `names`, checked against `weight`."""
+    storages: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
+    layouts: list[int] = []
     for name in names:
         if name not in state:
             raise ValueError(
@@ -345,14 +362,15 @@ def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torc
         else:
             storage = t.view(torch.int16) if layout == StateLayout.BF16 else t
             scale = storage  # never read: the layout is a constexpr
-        args += [storage, scale]
-        layouts[f"LAYOUT_{name}"] = int(layout)
-    return args, layouts
+        storages.append(storage)
+        scales.append(scale)
+        layouts.append(int(layout))
+    return StateArgs(tuple(storages), tuple(scales), tuple(layouts))
 
 
-def is_quantized(layouts: dict) -> bool:
-    """Whether any state (`LAYOUT_<name>` → layout code, as from `_prepare_state`) is int8 / uint8 quantized."""
-    return any(code in _QUANTIZED for code in layouts.values())
+def is_quantized(layouts: tuple[int, ...]) -> bool:
+    """Whether any state (by its layout code, as in `StateArgs.layouts`) is int8 / uint8 quantized."""
+    return any(code in _QUANTIZED for code in layouts)
 
 
 def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
@@ -364,16 +382,17 @@ def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
 
 
 def _variant(spec, hypers: dict, step: int, state):
+    """(the variant's update function, the states it reads, its host scalars, the new scalar state) of one step."""
     cfg = _resolved_hypers(spec, hypers)
     module = compiled_module(spec)
-    host, fused, fused_ws, elementwise, names = module.VARIANTS[cfg.variant]
+    host, update, names = module.VARIANTS[cfg.variant]
     _check_step(step)
     scalars = {s.name: float(state[s.name]) for s in spec.scalars if s.name in state}
     missing = [s.name for s in spec.scalars if s.name not in state]
     if missing:
         raise ValueError(f"state has no scalar state {missing}; create it with forge_dsl.init_state")
     exports, scalar_updates = host(cfg.host_inputs, int(step), scalars)
-    return fused, fused_ws, elementwise, names, exports, scalar_updates
+    return update, names, exports, scalar_updates
 
 
 def _check_step(step) -> None:
@@ -503,25 +522,29 @@ def _fused_linear_step_checked(spec, x, dy, weight, state, step, seed, rounding:
     N, K = weight.shape
     T = x2.shape[0]
     w_view, w_bf16 = _weight_view(weight, "weight")
-    fused, fused_ws, _, names, exports, scalar_updates = _variant(spec, hypers, step, state)
-    state_args, layouts = _prepare_state(spec, names, state, weight)
+    update, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    states = _prepare_state(spec, names, state, weight)
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
-    quantized = is_quantized(layouts)
+    quantized = is_quantized(states.layouts)
     tma_ok = tma_compatible(x2) and tma_compatible(dy2)
     cfg = config or fused_config(T, N, K, weight.device, quantized, x2.dtype, warp_specialize=tma_ok,
-                                 stored_bytes=stored_bytes(w_bf16, layouts))
+                                 stored_bytes=stored_bytes(w_bf16, states.layouts))
     check_config(cfg, quantized)
     if cfg.warp_specialized:
+        from .gluon_lib import fused_ws
+
         if config is not None:  # fused_config picks it only where it runs
             _check_warp_specialized(fused_ws, x2, weight, tma_ok, cfg)
         compiled, args, kwargs, programs = _launch_warp_specialized(
-            fused_ws, cfg, x2, dy2, w_view, w_bf16, state_args, layouts, exports, mix_seed(seed, step), rounding)
+            cfg, x2, dy2, w_view, w_bf16, states, update, exports, mix_seed(seed, step), rounding)
         _commit_scalars(state, scalar_updates)
         if reuse is not None:
-            _prepare(reuse, spec, names, state, cfg, fused_ws, compiled, args, kwargs, programs)
+            _prepare(reuse, spec, names, state, cfg, compiled, args, kwargs, programs)
         return
+    from .tile_kernels import fused  # triton is imported on first launch
+
     dot_fp32 = interpreting() or x.dtype == torch.float32
     precision = ("tf32" if tf32 else "ieee") if dot_fp32 else None
     grid = (triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k),)
@@ -535,10 +558,10 @@ def _fused_linear_step_checked(spec, x, dy, weight, state, step, seed, rounding:
     else:
         x_arg, dy_arg = x2, dy2
     fused[grid](
-        x_arg, dy_arg, w_view, *state_args, *exports,
+        x_arg, dy_arg, w_view, states.storage, states.scales, exports,
         mix_seed(seed, step), T, N, K, n_blocks(K),
         x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
-        W_BF16=w_bf16, STOCHASTIC=rounding_code(rounding, K), **layouts,
+        UPDATE=update, W_BF16=w_bf16, STOCHASTIC=rounding_code(rounding, K), LAYOUTS=states.layouts,
         DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
         BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
         K_HALVES=cfg.k_halves, EPILOGUE_SPLIT=cfg.epilogue_split, TMA=tma,
@@ -548,7 +571,7 @@ def _fused_linear_step_checked(spec, x, dy, weight, state, step, seed, rounding:
 
 
 def _check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tma_ok: bool, cfg: TileConfig) -> None:
-    """Refuse a warp-specialized config where `fused_ws_v<i>` cannot run, saying what to use instead."""
+    """Refuse a warp-specialized config where `gluon_lib.fused_ws` cannot run, saying what to use instead."""
     if fused_ws is None:
         raise ValueError(f"{cfg} asks for the warp-specialized kernel, which needs Triton ≥ 3.6 with Gluon; "
                          "use a config without mma_warps")
@@ -564,9 +587,9 @@ def _check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tm
                          "mma_warps")
 
 
-def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, state_args, layouts,
-                             exports, seed: int, rounding: str):
-    """One launch of `fused_ws_v<i>`: one persistent program per SM (at most one per tile). Returns what
+def _launch_warp_specialized(cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, states: StateArgs, update,
+                             exports: tuple, seed: int, rounding: str):
+    """One launch of `gluon_lib.fused_ws`: one persistent program per SM (at most one per tile). Returns what
     `prepared.PreparedLaunch` repeats: (the compiled kernel, the positional and keyword arguments, programs)."""
     from . import gluon_lib
 
@@ -575,14 +598,14 @@ def _launch_warp_specialized(fused_ws, cfg: TileConfig, x2, dy2, w_view, w_bf16:
     x_desc = gluon_lib.descriptor(x2, [cfg.block_t, cfg.block_k])
     dy_desc = gluon_lib.descriptor(dy2, [cfg.block_t, cfg.block_n])
     programs = min(gluon_lib.sm_count(x2.device), triton_cdiv(N, cfg.block_n) * triton_cdiv(K, cfg.block_k))
-    args = (x_desc, dy_desc, w_view, *state_args, *exports, seed, T, N, K, n_blocks(K))
+    args = (x_desc, dy_desc, w_view, states.storage, states.scales, exports, seed, T, N, K, n_blocks(K))
     kwargs = dict(
-        W_BF16=w_bf16, STOCHASTIC=rounding_code(rounding, K), **layouts,
+        UPDATE=update, W_BF16=w_bf16, STOCHASTIC=rounding_code(rounding, K), LAYOUTS=states.layouts,
         NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages, SLICE_N=cfg.block_n // cfg.epilogue_split,
         EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch, MMA_WARPS=cfg.mma_warps,
         MMA_REGISTERS=cfg.mma_registers, MMA_SLICES=cfg.mma_slices,
     )
-    compiled = fused_ws[(programs,)](*args, **kwargs, num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg)
+    compiled = gluon_lib.fused_ws[(programs,)](*args, **kwargs, num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg)
     return compiled, args, kwargs, programs
 
 
@@ -608,7 +631,7 @@ def _reuse_key(spec, hypers: dict, x, dy, weight, state, rounding, tf32, config)
     except (ValueError, TypeError):
         return None
     module = compiled_module(spec)
-    names = module.VARIANTS[resolved.variant][4]
+    names = module.VARIANTS[resolved.variant][2]
     key = prepared.call_key(spec, resolved.variant, names, _scalar_names(spec), x, dy, weight, state, rounding, tf32,
                             config)
     return None if key is None else (key, resolved, spec)
@@ -639,13 +662,15 @@ def _launch_prepared(reuse: tuple, x, dy, weight, state, step, seed, auto: bool 
     return True
 
 
-def _prepare(reuse: tuple, spec, names: tuple[str, ...], state, cfg: TileConfig, fused_ws, compiled, args: tuple,
+def _prepare(reuse: tuple, spec, names: tuple[str, ...], state, cfg: TileConfig, compiled, args: tuple,
              kwargs: dict, programs: int) -> None:
     """Remember a checked warp-specialized launch under `reuse`'s key for later calls with the same metadata."""
+    from .gluon_lib import fused_ws
+
     key, resolved, _ = reuse
     host = compiled_module(spec).VARIANTS[resolved.variant][0]
     try:
-        entry = prepared.PreparedLaunch(spec, host, prepared.state_entries(names, state), _scalar_names(spec),
+        entry = prepared.PreparedLaunch(spec, host, names, state, _scalar_names(spec),
                                         fused_ws, compiled, args, kwargs, programs,
                                         ([cfg.block_t, cfg.block_k], [cfg.block_t, cfg.block_n]))
     except prepared.NotReusable:  # every call of this layer stays checked
@@ -794,12 +819,12 @@ def slab_linear_step(
     if slab_bytes is not None and (isinstance(slab_bytes, bool) or int(slab_bytes) != slab_bytes or slab_bytes < 1):
         raise ValueError(f"slab_bytes must be a positive integer or None, got {slab_bytes!r}")
     N, K = weight.shape
-    _, _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    update, names, exports, scalar_updates = _variant(spec, hypers, step, state)
     # Validated once for the whole tensors; each slab takes row slices of the same kernel arguments
     # (storage [N, K] and int8 scales [N, K / 64] alike), which keeps the host's cost per slab low.
-    state_args, layouts = _prepare_state(spec, names, state, weight)
+    states = _prepare_state(spec, names, state, weight)
     if slab_bytes is None:
-        slab_bytes = default_slab_bytes(is_quantized(layouts))
+        slab_bytes = default_slab_bytes(is_quantized(states.layouts))
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
@@ -810,8 +835,7 @@ def slab_linear_step(
         r1 = min(N, r0 + rows)
         grad = workspace[: r1 - r0]
         torch.matmul(dy2[:, r0:r1].t(), x2, out=grad)
-        _launch_elementwise(elementwise, weight[r0:r1], grad, [a[r0:r1] for a in state_args], layouts, exports,
-                            mix_seed(key, r0), rounding)
+        _launch_elementwise(update, weight[r0:r1], grad, states.rows(r0, r1), exports, mix_seed(key, r0), rounding)
     _commit_scalars(state, scalar_updates)
 
 
@@ -863,27 +887,30 @@ def step(
     grad = grad.contiguous()
     _weight_view(param, "param")  # dtype checks before any other work
     _weight_view(grad, "grad")
-    _, _, elementwise, names, exports, scalar_updates = _variant(spec, hypers, step, state)
-    state_args, layouts = _prepare_state(spec, names, state, param)
+    update, names, exports, scalar_updates = _variant(spec, hypers, step, state)
+    states = _prepare_state(spec, names, state, param)
     rows, cols = as_rows(param).shape
     if rows * cols:
-        _launch_elementwise(elementwise, param, grad, state_args, layouts, exports, mix_seed(seed, step), rounding)
+        _launch_elementwise(update, param, grad, states, exports, mix_seed(seed, step), rounding)
     _commit_scalars(state, scalar_updates)
 
 
-def _launch_elementwise(elementwise, param: torch.Tensor, grad: torch.Tensor, state_args: list, layouts: dict,
-                        exports: tuple, key: int, rounding: str) -> None:
-    """One launch of a variant's element-wise kernel over `param` viewed as rows (`grad` contiguous, same shape)."""
+def _launch_elementwise(update, param: torch.Tensor, grad: torch.Tensor, states: StateArgs, exports: tuple, key: int,
+                        rounding: str) -> None:
+    """One launch of the element-wise kernel (`tile_kernels.step`) with a variant's `update` over `param` viewed as
+    rows (`grad` contiguous, same shape)."""
+    from .tile_kernels import step as step_kernel  # triton is imported on first launch
+
     rows, cols = as_rows(param).shape
     p_view, p_bf16 = _weight_view(param, "param")
     g_view, g_bf16 = _weight_view(grad, "grad")
     block_n, block_k, num_warps = step_config(rows, cols, param.device)
     with _device_guard(param):
-        elementwise[(triton_cdiv(rows, block_n), triton_cdiv(cols, block_k))](
-            p_view, g_view, *state_args, *exports,
+        step_kernel[(triton_cdiv(rows, block_n), triton_cdiv(cols, block_k))](
+            p_view, g_view, states.storage, states.scales, exports,
             key, rows, cols, n_blocks(cols),
-            W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding_code(rounding, cols), **layouts,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+            UPDATE=update, W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding_code(rounding, cols),
+            LAYOUTS=states.layouts, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         )
 
 

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "current_stream", "enabled",
-           "entries", "exports_signature", "lookup", "remember", "set_enabled", "state_entries", "supported"]
+           "entries", "exports_signature", "lookup", "remember", "set_enabled", "supported"]
 
 VERIFIED_TRITON = ("3.6.",)  # the Triton versions whose launcher this path was checked against on the GPU
 _MAX_ENTRIES = 4096  # a model's layers × a few token counts; the cache empties when full
@@ -89,13 +89,6 @@ def entries() -> int:
 def _meta(t: torch.Tensor) -> tuple:
     """What the checks, the tile config and Triton's specialization read of a tensor argument."""
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
-
-
-def state_entries(names: tuple[str, ...], state) -> tuple[str, ...]:
-    """The state entries a launch reads, in its argument order: each state's storage, then its scales
-    (`<name>.scale` for int8 / uint8 codes, the storage itself otherwise, never read)."""
-    return tuple(key for name in names
-                 for key in (name, f"{name}.scale" if state[name].dtype in _QUANTIZED_DTYPES else name))
 
 
 def call_key(spec, combo: tuple, names: tuple[str, ...], scalar_names: tuple[str, ...], x, dy, weight, state,
@@ -171,14 +164,14 @@ class NotReusable(Exception):
 class PreparedLaunch:
     """One checked warp-specialized launch, to be repeated with new activations, keywords, step and seed.
 
-    Built from the arguments `launch._launch_warp_specialized` passed `fused_ws[(programs,)](*args, **kwargs)`
-    (X, DY, W, each state's storage and scales, the host scalars, seed, T, N, K, n_blocks, then the
-    constexprs) and the compiled kernel that call returned. `launch` takes tensors of that call's metadata:
-    x [..., K], dy [..., N] (bf16), weight [N, K] and the state entries `state_keys`. `kernels` maps the
-    host scalars' `exports_signature` to the compiled kernel launched for it.
+    Built from the arguments `launch._launch_warp_specialized` passed `gluon_lib.fused_ws[(programs,)](*args,
+    **kwargs)` and the compiled kernel that call returned; each argument is found by its parameter's name.
+    `launch` takes tensors of that call's metadata: x [..., K], dy [..., N] (bf16), weight [N, K] and the
+    state entries the variant reads (`names`, with each int8 / uint8 state's `<name>.scale`). `kernels` maps
+    the host scalars' `exports_signature` to the compiled kernel launched for it.
     """
 
-    def __init__(self, spec, host: Callable, state_keys: tuple[str, ...], scalar_names: tuple[str, ...],
+    def __init__(self, spec, host: Callable, names: tuple[str, ...], state, scalar_names: tuple[str, ...],
                  fused_ws, compiled, args: tuple, kwargs: dict, programs: int,
                  block_shapes: tuple[list[int], list[int]]) -> None:
         from . import gluon_lib  # triton is imported on first launch, not with the package
@@ -186,24 +179,28 @@ class PreparedLaunch:
         self._gluon_lib = gluon_lib
         self.spec = spec
         self.host = host
-        self.state_keys = state_keys
+        self.state_keys = names
+        # the SCALES argument: each state's block scales, or its storage (never read) where it has none
+        self.scale_keys = tuple(f"{name}.scale" if state[name].dtype in _QUANTIZED_DTYPES else name for name in names)
         self.scalar_names = scalar_names
         self.fused_ws = fused_ws
         self.auto_path: Optional[str] = None  # what `linear_step(path="auto")` picks for this metadata
-        names = fused_ws.arg_names
-        if len(args) + len(kwargs) != len(names) or any(name not in kwargs for name in names[len(args):]):
-            raise NotReusable(f"{fused_ws}'s parameters {names} do not match the launch's arguments")
-        self._first_export = 3 + len(state_keys)
-        self._seed_slot = len(args) - 5  # ... seed, T, N, K, n_blocks
-        self._N, self._K = args[-3], args[-2]
+        params = fused_ws.arg_names
+        if len(args) + len(kwargs) != len(params) or any(name not in kwargs for name in params[len(args):]):
+            raise NotReusable(f"{fused_ws}'s parameters {params} do not match the launch's arguments")
         # The launcher's arguments: every kernel parameter in order, constexprs included (as JITFunction.run).
-        template = list(args) + [kwargs[name] for name in names[len(args):]]
-        for i in range(self._first_export):  # tensors: replaced on every call; keep none alive here
+        template = list(args) + [kwargs[name] for name in params[len(args):]]
+        slot = {name: i for i, name in enumerate(params)}
+        self._x, self._dy, self._w = slot["X"], slot["DY"], slot["W"]
+        self._states, self._scales, self._host, self._seed = slot["STATES"], slot["SCALES"], slot["HOST"], slot["seed"]
+        self._N, self._K = template[slot["N"]], template[slot["K"]]
+        for i in (self._x, self._dy, self._w, self._states, self._scales):  # replaced on every call: keep no tensor
             template[i] = None
         self._template = template
         self._grid = programs
         self._x_block, self._dy_block = block_shapes
-        signature = exports_signature(args[self._first_export:self._seed_slot])
+        self._host_count = len(template[self._host])
+        signature = exports_signature(template[self._host])
         if signature is None:
             raise NotReusable("host scalars of a type whose Triton specialization is not known here")
         result = getattr(compiled, "result", None)  # a compile still in flight
@@ -222,18 +219,19 @@ class PreparedLaunch:
         if kernel is None or self.fused_ws.pre_run_hooks:
             return None
         launcher, function, packed_metadata = kernel
+        if len(exports) != self._host_count:
+            raise RuntimeError(f"{self.spec.name}'s host step returned {len(exports)} scalars, its kernel takes "
+                               f"{self._host_count}")
         args = self._template.copy()
         descriptor = self._gluon_lib.descriptor
-        args[0] = descriptor(x if x.dim() == 2 else x.reshape(-1, self._K), self._x_block)
-        args[1] = descriptor(dy if dy.dim() == 2 else dy.reshape(-1, self._N), self._dy_block)
-        args[2] = weight  # the launcher reads data_ptr() alone: no int16 views needed
-        for slot, key in enumerate(self.state_keys, start=3):
-            args[slot] = state[key]
-        if len(exports) != self._seed_slot - self._first_export:
-            raise RuntimeError(f"{self.spec.name}'s host step returned {len(exports)} scalars, its kernel takes "
-                               f"{self._seed_slot - self._first_export}")
-        args[self._first_export:self._seed_slot] = exports
-        args[self._seed_slot] = seed
+        args[self._x] = descriptor(x if x.dim() == 2 else x.reshape(-1, self._K), self._x_block)
+        args[self._dy] = descriptor(dy if dy.dim() == 2 else dy.reshape(-1, self._N), self._dy_block)
+        # the launcher reads data_ptr() alone: no int16 views needed
+        args[self._w] = weight
+        args[self._states] = tuple(state[key] for key in self.state_keys)
+        args[self._scales] = tuple(state[key] for key in self.scale_keys)
+        args[self._host] = exports
+        args[self._seed] = seed
         launcher(self._grid, 1, 1, current_stream(weight.device), function, packed_metadata, None, None, None, *args)
         return scalar_updates
 

@@ -1,4 +1,4 @@
-"""Compile a generated fused kernel for the H100/H200 (sm_90) on any machine, no GPU needed.
+"""Compile a spec's fused kernel for the H100/H200 (sm_90) on any machine, no GPU needed.
 
 The Triton interpreter accepts code that the GPU compiler rejects, and it says nothing about
 registers. This compiles the real thing ahead of time with Triton's bundled ptxas and reports
@@ -28,13 +28,14 @@ import torch
 
 from ..api import SpecLike, builtin_names, init_state, load_spec
 from ..layouts import StateLayout
-from . import gluon_lib
+from . import gluon_lib, tile_kernels
 from .launch import TileConfig, _prepare_state, _variant, fused_config, is_quantized, rounding_code, stored_bytes
 
 __all__ = ["Resources", "compile_fused", "main"]
 
 _STATE_POINTER = {StateLayout.FP32: "*fp32", StateLayout.BF16: "*i16", StateLayout.INT8: "*i8",
                   StateLayout.UINT8_SQRT: "*u8"}
+_QUANTIZED_CODES = (int(StateLayout.INT8), int(StateLayout.UINT8_SQRT))
 # Arguments the JIT would see as multiples of 16 for the usual layer sizes (pointers and sizes).
 _DIVISIBLE = {"X", "DY", "W", "N", "K", "n_blocks", "stride_xt", "stride_dyt"}
 
@@ -69,29 +70,31 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     spec = load_spec(spec)
     weight = torch.zeros(128, 128, dtype=torch.bfloat16)
     state = init_state(spec, weight, layout=layout, **hypers)
-    fused, fused_ws, _, names, exports, _ = _variant(spec, hypers, 1, state)
-    _, layouts = _prepare_state(spec, names, state, weight)
+    update, names, exports, _ = _variant(spec, hypers, 1, state)
+    states = _prepare_state(spec, names, state, weight)
     fp32 = activations in ("fp32", "tf32")
-    cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), is_quantized(layouts),
+    cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), is_quantized(states.layouts),
                                  torch.float32 if fp32 else torch.bfloat16, hopper=gluon_lib.AVAILABLE,
-                                 stored_bytes=stored_bytes(True, layouts))
+                                 stored_bytes=stored_bytes(True, states.layouts))
     act = "fp32" if fp32 else "bf16"
     precision = {"fp32": "ieee", "tf32": "tf32"}.get(activations)
     stochastic = rounding_code("stochastic", 4096)  # a 4096² layer: one hash per two elements
+    common = {"UPDATE": update, "W_BF16": True, "STOCHASTIC": stochastic, "LAYOUTS": states.layouts}
     if cfg.warp_specialized:
-        if fp32 or fused_ws is None:
+        if fp32 or gluon_lib.fused_ws is None:
             raise ValueError("the warp-specialized kernel needs bf16 activations and Triton ≥ 3.6 with Gluon")
-        fused = fused_ws
-        constexprs = {"W_BF16": True, "STOCHASTIC": stochastic, "NUM_PROGRAMS": 132, "GROUP_N": cfg.group_n,
-                      "STAGES": cfg.num_stages, "SLICE_N": cfg.block_n // cfg.epilogue_split,
-                      "EPILOGUE_WARPS": cfg.num_warps, "PREFETCH": cfg.prefetch, "MMA_WARPS": cfg.mma_warps,
-                      "MMA_REGISTERS": cfg.mma_registers, "MMA_SLICES": cfg.mma_slices, **layouts}
+        fused = gluon_lib.fused_ws
+        constexprs = {**common, "NUM_PROGRAMS": 132, "GROUP_N": cfg.group_n, "STAGES": cfg.num_stages,
+                      "SLICE_N": cfg.block_n // cfg.epilogue_split, "EPILOGUE_WARPS": cfg.num_warps,
+                      "PREFETCH": cfg.prefetch, "MMA_WARPS": cfg.mma_warps, "MMA_REGISTERS": cfg.mma_registers,
+                      "MMA_SLICES": cfg.mma_slices}
     else:
-        constexprs = {"W_BF16": True, "STOCHASTIC": stochastic, "DOT_FP32": fp32, "INPUT_PRECISION": precision,
-                      "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
+        fused = tile_kernels.fused
+        constexprs = {**common, "DOT_FP32": fp32, "INPUT_PRECISION": precision, "BLOCK_T": cfg.block_t,
+                      "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
                       "K_HALVES": cfg.k_halves, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": cfg.tma,
-                      "stride_xk": 1, "stride_dyn": 1, **layouts}
-    export_values = dict(zip([a for a in fused.arg_names if a.startswith("h_")], exports))
+                      "stride_xk": 1, "stride_dyn": 1}
+    storage = tuple(_STATE_POINTER[StateLayout(code)] for code in states.layouts)
     signature = {}
     for arg in fused.arg_names:
         if arg in constexprs:
@@ -105,22 +108,27 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
             signature[arg] = f"*{act}"
         elif arg == "W":
             signature[arg] = "*i16"
-        elif arg.startswith("S_"):
-            signature[arg] = _STATE_POINTER[StateLayout(layouts[f"LAYOUT_{arg[2:]}"])]
-        elif arg.startswith("SCALE_"):
-            signature[arg] = "*fp32"
-        elif arg.startswith("h_"):
-            signature[arg] = "i32" if isinstance(export_values[arg], int) else "fp32"
+        elif arg == "STATES":
+            signature[arg] = storage
+        elif arg == "SCALES":  # the block scales of int8 / uint8 state, the storage itself (never read) otherwise
+            signature[arg] = tuple("*fp32" if code in _QUANTIZED_CODES else pointer
+                                   for code, pointer in zip(states.layouts, storage))
+        elif arg == "HOST":
+            signature[arg] = tuple("i32" if isinstance(value, int) else "fp32" for value in exports)
         else:
             signature[arg] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fused.arg_names)
-             if a in _DIVISIBLE or a.startswith(("S_", "SCALE_"))}
+    attrs = {}
+    for i, arg in enumerate(fused.arg_names):
+        if arg in _DIVISIBLE:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif arg in ("STATES", "SCALES"):
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(states.layouts))})
     if cfg.warp_specialized:
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        source = GluonASTSource(fused, signature, {k: v for k, v in constexprs.items() if k in signature}, attrs=attrs)
+        source = GluonASTSource(fused, signature, constexprs, attrs=attrs)
     else:
-        source = ASTSource(fused, signature, {k: v for k, v in constexprs.items() if k in signature}, attrs=attrs)
+        source = ASTSource(fused, signature, constexprs, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                                      "maxnreg": cfg.launch_maxnreg})
