@@ -534,6 +534,65 @@ def test_user_spec_compiles_on_first_use(tmp_path, monkeypatch):
     assert any((tmp_path / "cache").glob("adamax_*.py"))
 
 
+_SCALED_SGD = """optimizer scaled "SGD with its step scaled by a constant"
+hyper lr = 0.01 in [0, inf)
+update {{
+    param = param - lr * {scale} * grad
+}}
+"""
+
+
+def _scaled_sgd_step(folder, scale: float, w, x, dy) -> torch.Tensor:
+    """One fused step of `_SCALED_SGD` (written into `folder`) on a copy of w."""
+    path = folder / "scaled.fopt"
+    folder.mkdir()
+    path.write_text(_SCALED_SGD.format(scale=scale))
+    w = w.clone()
+    kernels.fused_linear_step(str(path), x, dy, w, {}, step=1, lr=1e-2)
+    return w
+
+
+def test_two_specs_share_the_library_kernels_each_with_its_own_update(tmp_path, monkeypatch):
+    """The library kernels (`tile_kernels`) are shared by every spec, the update passed in: two specs of the same
+    name whose updates differ only in a constant, in one process, each run their own (Triton keys a compiled
+    kernel on the update's source, not its name)."""
+    monkeypatch.setenv("FORGE_DSL_CACHE", str(tmp_path / "cache"))
+    w, x, dy = make_problem(8, torch.float32)
+    dw = dy.double().T @ x.double()
+    for scale, folder in ((1.0, "one"), (3.0, "three"), (1.0, "one_again")):
+        got = _scaled_sgd_step(tmp_path / folder, scale, w, x, dy)
+        assert rel_err(got, w.double() - 1e-2 * scale * dw) <= FP32_REL_TOL, scale
+
+
+_DISK_CACHE_RUN = """
+import sys, torch
+sys.path.insert(0, sys.argv[3])
+from pathlib import Path
+from test_kernels import _scaled_sgd_step, make_problem, rel_err
+w, x, dy = make_problem(8, torch.float32)
+got = _scaled_sgd_step(Path(sys.argv[1]), float(sys.argv[2]), w, x, dy)
+print(rel_err(got, w.double() - 1e-2 * float(sys.argv[2]) * (dy.double().T @ x.double())))
+"""
+
+
+@pytest.mark.gpu
+def test_triton_disk_cache_tells_updates_apart(tmp_path):
+    """The same across processes through Triton's disk cache: a process that compiled one spec's kernels leaves
+    them in the cache, and another spec of the same name (another constant) does not get them."""
+    import os
+    import subprocess
+    import sys
+
+    if DEVICE.type != "cuda":
+        pytest.skip("the interpreter compiles nothing")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "FORGE_DSL_CACHE": str(tmp_path / "cache")}
+    for scale, folder in ((1.0, "one"), (3.0, "three")):
+        out = subprocess.run([sys.executable, "-c", _DISK_CACHE_RUN, str(tmp_path / folder), str(scale),
+                              os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert float(out.stdout.strip().splitlines()[-1]) <= FP32_REL_TOL, (scale, out.stdout)
+
+
 
 
 # ----------------------------------------------------------------------------
