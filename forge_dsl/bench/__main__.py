@@ -4,11 +4,11 @@
     forge-bench model [--quick] [--models llama3.1-8b] [--methods torch-adamw,forge-bf16]
     forge-bench convergence [--quick] [--steps 2000]
 
-Each subcommand shows a progress bar on stderr, writes
-`<out>/<subcommand>[-quick]-<date>.json` and `.png` (default out: bench/results),
-and prints a Markdown table last.  `--device cpu` runs the kernels in the Triton
-interpreter (tiny shapes; timings by time.perf_counter, memory not measured):
-that is what the tests run.
+Each subcommand shows its progress on stderr (a bar on a terminal, plain lines in a log),
+writes `<out>/<subcommand>[-quick]-<date>.json` and `.png` (default out: bench/results;
+the PNG only where matplotlib is installed), and prints a Markdown table last.
+`--device cpu` runs the kernels in the Triton interpreter (tiny shapes; timings by
+time.perf_counter, memory not measured, no roofline): that is what the tests run.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"forge-bench {args.subcommand}: {err}") from None
     finally:
         torch.set_num_threads(threads)
-    print(f"wrote {results.json_path}\nwrote {results.png_path}\n")
+    print(f"wrote {results.json_path}")
+    print(f"wrote {results.png_path}\n" if results.png_path else "no PNG (pip install matplotlib)\n")
     print(table)
     return 0
 

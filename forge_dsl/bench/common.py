@@ -118,35 +118,51 @@ def gib(n_bytes: Optional[float]) -> Optional[float]:
 
 
 class Progress:
-    """A one-line progress bar on stderr: `[#####.....] 12/40 label 1m05s`."""
+    """Progress of `total` items on stderr: a tqdm bar on a terminal; elsewhere (a log file, a pipe) plain
+    lines `12/40 label 1m05s`, at most one every `interval` seconds, with no carriage return or ANSI code."""
 
-    def __init__(self, total: int, width: int = 30, stream=None) -> None:
+    def __init__(self, total: int, stream=None, interval: float = 5.0) -> None:
         self.total = max(total, 1)
-        self.width = width
         self.stream = stream or sys.stderr
+        self.interval = interval
         self.done = 0
         self.started = time.perf_counter()
-        self.drawn = -math.inf
+        self.written = -math.inf
+        self.bar = None
+        if _is_terminal(self.stream):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, file=self.stream, dynamic_ncols=True, leave=True)
 
     def show(self, label: str) -> None:
-        """Show the bar with the item now running (does not advance); redrawn at most every 0.2 s."""
-        now = time.perf_counter()
-        if now - self.drawn < 0.2 and self.done < self.total:
+        """Show the item now running (does not advance)."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(label)
             return
-        self.drawn = now
-        filled = self.width * self.done // self.total
-        elapsed = int(time.perf_counter() - self.started)
-        self.stream.write(f"\r\033[K[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
-                          f"{label} {elapsed // 60}m{elapsed % 60:02d}s")
+        now = time.perf_counter()
+        if now - self.written < self.interval and self.done < self.total:
+            return
+        self.written = now
+        elapsed = int(now - self.started)
+        self.stream.write(f"{self.done}/{self.total} {label} {elapsed // 60}m{elapsed % 60:02d}s\n")
         self.stream.flush()
 
     def advance(self, label: str = "") -> None:
         self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
         self.show(label)
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed file
+        return False
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -160,9 +176,15 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def markdown_cell(text: str) -> str:
+    """`text` as one Markdown table cell: `|` escaped (it would end the cell), line breaks as spaces."""
+    return " ".join(text.replace("\\", "\\\\").replace("|", "\\|").splitlines())
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A Markdown table (right-aligned columns), ready for docs/PERF.md."""
-    cells = [[fmt(v) for v in row] for row in rows]
+    """A Markdown table (right-aligned columns), ready for docs/PERF.md; every header and cell escaped."""
+    headers = [markdown_cell(h) for h in headers]
+    cells = [[markdown_cell(fmt(v)) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     lines = ["| " + " | ".join(h.rjust(w) for h, w in zip(headers, widths)) + " |",
              "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
@@ -176,15 +198,30 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)"
 
 
-def git_commit() -> Optional[str]:
-    """HEAD of the checkout this package runs from, with '+dirty' for uncommitted changes; None outside git."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+def git_commit(package_dir: Optional[Path] = None) -> Optional[str]:
+    """HEAD of the project's checkout this package runs from, '+dirty' if it has uncommitted changes; None
+    when the package is not imported from a git checkout of its own source (an installed wheel, a venv inside
+    some other repository).
+
+    `package_dir` (default: the imported `forge_dsl` package) must sit at the top of a git work tree that
+    tracks its `__init__.py`.
+    """
+    package_dir = Path(package_dir or Path(__file__).resolve().parents[1]).resolve()
+    root = package_dir.parent
+
+    def git(*args: str) -> Optional[subprocess.CompletedProcess]:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or top.returncode or Path(top.stdout.strip()).resolve() != root:
         return None
-    if head.returncode:
+    tracked = git("ls-files", "--error-unmatch", "--", f"{package_dir.name}/__init__.py")
+    head = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain")
+    if any(r is None or r.returncode for r in (tracked, head, dirty)):
         return None
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
@@ -201,7 +238,7 @@ class Results:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.json_path = out / f"{stem}.json"
-        self.png_path = out / f"{stem}.png"
+        self.png_path: Optional[Path] = out / f"{stem}.png"
         self.data = {
             "subcommand": subcommand,
             "command": shlex.join(["forge-bench", *argv]),
@@ -231,10 +268,22 @@ class Results:
         tmp.write_text(json.dumps(_finite(self.data), indent=1, allow_nan=False) + "\n")
         tmp.replace(self.json_path)
 
-    def save_figure(self, fig) -> None:
-        tmp = self.png_path.with_name(self.png_path.name + ".tmp")
-        fig.savefig(tmp, dpi=120, format="png")
-        tmp.replace(self.png_path)
+    def plot(self, draw: Callable[[Any, "Results"], Any]) -> bool:
+        """Write the figure `draw(pyplot, self)` returns to `png_path`; without matplotlib write none, set
+        `png_path` to None and return False (the plot is optional, the JSON and the table are not)."""
+        try:
+            plt = pyplot()
+        except ImportError:
+            self.png_path = None
+            return False
+        fig = draw(plt, self)
+        try:
+            tmp = self.png_path.with_name(self.png_path.name + ".tmp")
+            fig.savefig(tmp, dpi=120, format="png")
+            tmp.replace(self.png_path)
+        finally:
+            plt.close(fig)
+        return True
 
 
 def _finite(value: Any) -> Any:

@@ -32,7 +32,7 @@ import torch
 
 import forge_dsl
 
-from .common import Progress, Results, UsageError, format_table, pyplot, synchronize
+from .common import Progress, Results, UsageError, format_table, synchronize
 
 REFERENCE = "torch-adamw-fp32"
 REPEAT = "torch-adamw-fp32-again"  # the reference trained again: how far two identical runs drift apart
@@ -211,7 +211,7 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
     finally:
         torch.set_float32_matmul_precision(previous)
     progress.close()
-    plot(results)
+    results.plot(plot)
     return results, table(results.rows, settings["window"])
 
 
@@ -230,9 +230,9 @@ def table(rows: list[dict], window: int) -> str:
                                          f"{window}-step windows; {REPEAT}: the reference again, the floor)"
 
 
-def plot(results: Results) -> None:
-    """Smoothed loss curves (top) and smoothed loss difference to the reference (bottom)."""
-    plt = pyplot()
+def plot(plt, results: Results):
+    """Smoothed loss curves (top) and smoothed loss difference to the reference (bottom). The figure, drawn
+    with `plt` (matplotlib.pyplot) for `Results.plot`."""
     window = results.data["settings"]["window"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(2, 1),
                                    layout="constrained")
@@ -251,8 +251,7 @@ def plot(results: Results) -> None:
     bottom.axhline(0, color="gray", lw=0.8)
     bottom.set_ylabel(f"loss − {REFERENCE}\n({window}-step moving average)", fontsize=8)
     bottom.set_xlabel("step")
-    results.save_figure(fig)
-    plt.close(fig)
+    return fig
 
 
 def moving_average(values: list[float], window: int) -> list[float]:

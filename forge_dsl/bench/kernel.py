@@ -39,7 +39,7 @@ from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
 from forge_dsl.kernels.launch import default_slab_bytes, fused_config, slab_rows
 
-from .common import Progress, Results, UsageError, format_table, free_memory, graph_ms, median_ms, pyplot
+from .common import Progress, Results, UsageError, format_table, free_memory, graph_ms, median_ms
 
 PEAK_FLOPS = 790e12  # dense bf16 GEMM on these H200s (docs/PERF.md)
 PEAK_BYTES_PER_S = 4.3e12  # device-to-device copy on these H200s
@@ -174,8 +174,9 @@ def resolve_settings(args, device: torch.device) -> dict:
     return {"specs": specs, "shapes": [asdict(s) for s in shapes], "tokens": tokens, "layouts": layouts,
             "config": asdict(args.config) if args.config else "default (per row)", "rep_ms": args.rep, "step": STEP,
             "timing": args.timing, "rounding": args.rounding,
-            "weights": "bf16", "activations": "bf16", "peak_flops": PEAK_FLOPS,
-            "peak_bytes_per_s": PEAK_BYTES_PER_S, "l2_bytes": None if cpu else l2_bytes(device)}
+            # the roofline is the H200's: CPU (interpreter) times get none
+            "weights": "bf16", "activations": "bf16", "peak_flops": None if cpu else PEAK_FLOPS,
+            "peak_bytes_per_s": None if cpu else PEAK_BYTES_PER_S, "l2_bytes": None if cpu else l2_bytes(device)}
 
 
 # ---------------------------------------------------------------------------
@@ -183,8 +184,11 @@ def resolve_settings(args, device: torch.device) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def floor_ms(T: int, N: int, K: int, moved_bytes: int) -> dict:
-    """Roofline floor of one update: the larger of the GEMM's compute time and the memory time."""
+def floor_ms(T: int, N: int, K: int, moved_bytes: int, device: Optional[torch.device] = None) -> dict:
+    """Roofline floor of one update on the H200: the larger of the GEMM's compute time and the memory time;
+    on the CPU only the bytes (the floor is the H200's, no measure of the interpreter); device None: the H200."""
+    if device is not None and device.type != "cuda":
+        return {"floor_ms": None, "flop_ms": None, "memory_ms": None, "bytes": moved_bytes}
     flop_ms = 2 * T * N * K / PEAK_FLOPS * 1e3
     memory_ms = moved_bytes / PEAK_BYTES_PER_S * 1e3
     return {"floor_ms": max(flop_ms, memory_ms), "flop_ms": flop_ms, "memory_ms": memory_ms, "bytes": moved_bytes}
@@ -205,7 +209,7 @@ def l2_bytes(device: torch.device) -> int:
 
 def n_sets(set_bytes: int, device: torch.device) -> int:
     """How many copies to rotate among so that together they are at least twice the L2 (one on the CPU)."""
-    if device.type != "cuda":
+    if device is not None and device.type != "cuda":
         return 1
     return max(1, min(MAX_SETS, math.ceil(2 * l2_bytes(device) / set_bytes)))
 
@@ -317,7 +321,7 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
     errors: dict = {}
     row = {"spec": spec_name, "shape": shape.name, "N": shape.N, "K": shape.K, "T": T, "layout": layout,
            "sets": count, "config": asdict(config or fused_config(T, shape.N, shape.K, device, layout == "int8")),
-           **floor_ms(T, shape.N, shape.K, moved)}
+           **floor_ms(T, shape.N, shape.K, moved, device)}
     row["fused_ms"] = timed(lambda: rotating(sets, fused), device, settings, errors, "fused")
     row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings, errors, "dw_ours")
     # the extra path: cuBLAS dW in L2-sized row slabs, each consumed by our step kernel (never the whole dW)
@@ -328,10 +332,11 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
 
 
 def add_ratios(row: dict) -> None:
-    """time / floor for each method, and the fused kernel's speedup over each unfused pair."""
+    """time / floor for each method (None without a floor: CPU runs), and the fused kernel's speedup over
+    each unfused pair."""
     for key in ("fused", "dw_ours", "dw_torch", "slab"):
         ms = row.get(f"{key}_ms")
-        row[f"{key}_vs_floor"] = ms / row["floor_ms"] if ms else None
+        row[f"{key}_vs_floor"] = ms / row["floor_ms"] if ms and row["floor_ms"] else None
     fused = row["fused_ms"]
     for key in ("dw_ours", "dw_torch", "slab"):
         ms = row.get(f"{key}_ms")
@@ -341,7 +346,7 @@ def add_ratios(row: dict) -> None:
 def warm_up(device: torch.device, seconds: float = 1.0) -> None:
     """Keep the GPU busy for a moment before the first timing, so that it does not start at idle clocks
     (a precaution: the 2× slow first rows of docs/PERF.md v3 came from a busy host, not from this)."""
-    if device.type != "cuda":
+    if device is not None and device.type != "cuda":
         return
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     end = time.perf_counter() + seconds
@@ -377,7 +382,7 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
             free_memory(device)
             progress.advance(label)
     progress.close()
-    plot(results)
+    results.plot(plot)
     return results, table(results.rows)
 
 
@@ -396,12 +401,14 @@ def table(rows: list[dict]) -> str:
     return format_table(headers, body)
 
 
-def plot(results: Results) -> None:
-    """One panel per spec: time / floor of each method over (shape, T), log scale."""
+def plot(plt, results: Results):
+    """One panel per spec: time / floor of each method over (shape, T), log scale; on the CPU (no floor)
+    the median ms themselves. The figure, drawn with `plt` (matplotlib.pyplot) for `Results.plot`."""
     rows = results.rows
+    roofline = any(r.get("floor_ms") for r in rows)
+    measure = "vs_floor" if roofline else "ms"
     specs = list(dict.fromkeys(r["spec"] for r in rows))
     cases = list(dict.fromkeys((r["shape"], r["T"]) for r in rows))
-    plt = pyplot()
     cols = min(2, len(specs))
     n_rows = math.ceil(len(specs) / cols)
     fig, axes = plt.subplots(n_rows, cols, figsize=(7 * cols, 3.4 * n_rows + 0.9), squeeze=False, sharey=True,
@@ -411,15 +418,16 @@ def plot(results: Results) -> None:
         for r in (r for r in rows if r["spec"] == spec_name):
             x = cases.index((r["shape"], r["T"]))
             for key, color in (("fused", "tab:red"), ("dw_ours", "tab:blue"), ("slab", "tab:green")):
-                if r.get(f"{key}_vs_floor"):
-                    ax.plot(x, r[f"{key}_vs_floor"], markers[r["layout"]], color=color, alpha=0.8)
-            if r["dw_torch_vs_floor"] and r["layout"] == "bf16":
-                ax.plot(x, r["dw_torch_vs_floor"], "D", color="black", alpha=0.8)
-        ax.axhline(1.0, color="gray", lw=0.8)
+                if r.get(f"{key}_{measure}"):
+                    ax.plot(x, r[f"{key}_{measure}"], markers[r["layout"]], color=color, alpha=0.8)
+            if r.get(f"dw_torch_{measure}") and r["layout"] == "bf16":
+                ax.plot(x, r[f"dw_torch_{measure}"], "D", color="black", alpha=0.8)
+        if roofline:
+            ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_yscale("log")
         ax.set_title(spec_name)
         ax.set_xticks(range(len(cases)), [f"{s} T={t}" for s, t in cases], rotation=90, fontsize=6)
-        ax.set_ylabel("time / roofline floor")
+        ax.set_ylabel("time / roofline floor" if roofline else "median ms (no roofline off the GPU)")
     for ax in list(axes.flat)[len(specs):]:
         ax.axis("off")
     legend = [plt.Line2D([], [], ls="", marker="o", color="tab:red", label="fused"),
@@ -431,5 +439,4 @@ def plot(results: Results) -> None:
     fig.suptitle(f"one linear layer's update, bf16 weights — {results.data['device']}{timing}", fontsize=10)
     # 7 entries: one row beside two panels, two rows under one (a 7-inch figure cuts a single row off)
     fig.legend(handles=legend, loc="outside lower center", ncol=7 if cols > 1 else 4, fontsize=8)
-    results.save_figure(fig)
-    plt.close(fig)
+    return fig

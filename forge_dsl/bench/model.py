@@ -42,7 +42,7 @@ import torch
 import forge_dsl
 
 from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
-                     peak_memory_bytes, pyplot, reset_peak_memory, synchronize)
+                     peak_memory_bytes, reset_peak_memory, synchronize)
 from .lean_loss import causal_lm_loss_inplace
 
 LR = 1e-5
@@ -355,7 +355,7 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
         free_memory(device)
         progress.advance(label)
     progress.close()
-    plot(results)
+    results.plot(plot)
     return results, table(results.rows)
 
 
@@ -374,10 +374,10 @@ def table(rows: list[dict]) -> str:
     return format_table(headers, body)
 
 
-def plot(results: Results) -> None:
-    """One line per run: peak memory stacked by pool (left) and step time (right), horizontal bars."""
+def plot(plt, results: Results):
+    """One line per run: peak memory stacked by pool (left) and step time (right), horizontal bars. The
+    figure, drawn with `plt` (matplotlib.pyplot) for `Results.plot`."""
     rows = results.rows
-    plt = pyplot()
     fig, (mem, time_ax) = plt.subplots(1, 2, figsize=(13, 1.5 + 0.22 * len(rows)), sharey=True,
                                        width_ratios=(3, 2), layout="constrained")
     pools = (("weights_gib", "weights"), ("optimizer_state_gib", "optimizer state"),
@@ -408,5 +408,4 @@ def plot(results: Results) -> None:
     loss = results.data["settings"].get("loss", "transformers")  # records from before v3 have no --loss
     fig.suptitle(f"training step, bf16 weights, batch 1, {loss} loss — "
                  f"{results.data['device']}", fontsize=9)
-    results.save_figure(fig)
-    plt.close(fig)
+    return fig
