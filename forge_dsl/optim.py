@@ -6,11 +6,28 @@
     opt.step()        # the remaining parameters, from their .grad, same spec
     opt.zero_grad()
 
-How it works: each eligible `nn.Linear` gets an instance-level `forward` that
-runs `_ForgeLinearFn`.  Its backward computes ΔX = ΔY·W with the old weight,
-then calls the tile-fused kernel, which accumulates each tile of dW = ΔYᵀX in
-registers and applies the spec's update there: the weight never gets a `.grad`.
-Module names and `state_dict` keys do not change.
+torch.optim's convention works too, for code that builds optimizers as `cls(params, **kwargs)`
+(Hugging Face `optimizer_cls_and_kwargs`, Lightning, config files): mark the model once with
+`forge_dsl.fuse(model)`, then pass its parameters or param groups:
+
+    forge_dsl.fuse(model)
+    opt = forge_dsl.ForgeOptimizer(model.parameters(), "adamw", lr=3e-4)
+
+How it works: each eligible `nn.Linear` (one whose forward is nn.Linear's own:
+`fusion_refusal` says why another is not) gets an instance-level `forward`
+that runs `_ForgeLinearFn` while its optimizer lives.  Its backward computes
+ΔX = ΔY·W with the old weight, then calls the tile-fused kernel, which
+accumulates each tile of dW = ΔYᵀX in registers and applies the spec's update
+there: the weight never gets a `.grad`.  Module names and `state_dict` keys do
+not change; `detach()` (or the optimizer's end) gives each module back exactly
+the forward it had, and a copy of the model (`copy.deepcopy`, pickle,
+`torch.save`) is a plain model.
+
+A step is whole as the user sees it: each fused weight's `step` counter moves
+when its update is applied.  If an exception interrupts backward, the layers it
+updated keep their update; a retry is refused until `step()`, which closes the
+step without stepping the parameters whose gradients that backward left
+incomplete (it warns), after which training goes on.
 
 Exactness rules (each refused loudly when it cannot hold):
   * a weight used by several modules (tied embeddings) is never fused; a
@@ -34,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 import weakref
 from typing import Any, Iterable, Mapping, Optional, Union
 
@@ -46,7 +64,7 @@ from .kernels import launch
 from .kernels.foreach import FOREACH_MAX_ELEMENTS, _step_flat, shared_launch_key
 from .kernels.launch import LINEAR_PATHS, linear_step, step as elementwise_step
 
-__all__ = ["ForgeOptimizer"]
+__all__ = ["ForgeOptimizer", "fuse", "fusion_refusal"]
 
 _CLIP_MESSAGE = (
     "global-norm gradient clipping needs every gradient before any weight is updated, but FORGE updates "
@@ -131,6 +149,145 @@ def _install_clip_guard() -> None:
     nn_utils.clip_grad_value_ = guarded_value
 
 
+_MISSING = object()
+
+
+def _is_dormant_forward(module: torch.nn.Module, forward: Any) -> bool:
+    """Whether `forward` (an instance attribute) is what a copy of a fused module holds: nn.Linear's own forward
+    bound to the module (`_FusedForward.__reduce__`)."""
+    return (isinstance(forward, functools.partial) and forward.func is torch.nn.Linear.forward
+            and len(forward.args) == 1 and forward.args[0] is module and not forward.keywords)
+
+
+class _FusedForward:
+    """The instance-level `forward` of a fused nn.Linear: the FORGE path while its optimizer lives, nn.Linear's
+    own forward after (the module is then given back what it had). A copy (deepcopy, pickle, `torch.save`)
+    is nn.Linear's own forward bound to the copied module: a copied model is a plain model."""
+
+    __slots__ = ("module_ref", "handle", "previous", "__weakref__")
+
+    def __init__(self, module: torch.nn.Linear, handle: "_FusedHandle") -> None:
+        self.module_ref = weakref.ref(module)
+        self.handle = handle
+        self.previous = module.__dict__.get("forward", _MISSING)  # a copy's dormant forward, or nothing
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        module = self.module_ref()
+        if self.handle.opt_ref() is None:  # its optimizer is gone: nn.Linear again
+            self.restore()
+            return torch.nn.Linear.forward(module, input)
+        return _fused_forward(module, self.handle, input)
+
+    def restore(self) -> None:
+        """Give the module back the forward it had before it was fused."""
+        module = self.module_ref()
+        if module is not None and module.__dict__.get("forward") is self:
+            if self.previous is _MISSING:
+                del module.forward
+            else:
+                module.forward = self.previous
+
+    def __reduce__(self):
+        return functools.partial, (torch.nn.Linear.forward, self.module_ref())
+
+
+def _fused_forward_of(module: torch.nn.Module) -> Optional[_FusedForward]:
+    forward = module.__dict__.get("forward")
+    return forward if isinstance(forward, _FusedForward) else None
+
+
+def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
+    """Why FORGE does not fuse this module's weight (None: it does, if the weight is trained and not shared).
+
+    Only an nn.Linear whose forward is nn.Linear's own is fused: a subclass with its own forward
+    (`torch.ao.nn.qat.Linear`'s fake quantization, a scaled output) or a forward replaced on the instance (by
+    a hook library) would silently lose what it does. nn.MultiheadAttention reads its out_proj's weight
+    directly, never through out_proj's forward."""
+    if not isinstance(module, torch.nn.Linear):
+        return "not an nn.Linear"
+    if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return "read directly by nn.MultiheadAttention"
+    if type(module).forward is not torch.nn.Linear.forward:
+        return f"{type(module).__qualname__} has its own forward, which FORGE does not replace"
+    forward = module.__dict__.get("forward", _MISSING)
+    if forward is not _MISSING and not isinstance(forward, _FusedForward) and not _is_dormant_forward(module, forward):
+        return "its forward was replaced on the instance (e.g. by a hook library), which FORGE does not replace"
+    return None
+
+
+def _check_not_data_parallel(model: torch.nn.Module) -> None:
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or "FullyShardedDataParallel" in type(
+        model
+    ).__name__:
+        raise ValueError(
+            "FORGE cannot fuse under data parallelism (DDP/FSDP): each rank would update its weights from its "
+            "own partial gradient before the all-reduce. Use fuse=False, or tensor/sequence parallelism."
+        )
+
+
+class _Candidate:
+    """What `fuse` found for one parameter of a model: its name, and for a Linear weight its module and
+    why it cannot be fused (None: it can). Holds the module and weight weakly."""
+
+    __slots__ = ("weight_ref", "module_ref", "name", "refusal")
+
+    def __init__(self, weight, module, name: str, refusal: Optional[str]) -> None:
+        self.weight_ref = weakref.ref(weight)
+        self.module_ref = weakref.ref(module) if module is not None else None
+        self.name = name
+        self.refusal = refusal
+
+
+def _candidates(model: torch.nn.Module) -> dict[int, _Candidate]:
+    """Every parameter of `model` by id: its name, and for the weight of an nn.Linear the module and
+    `fusion_refusal`'s reason, or that the weight is shared with another module."""
+    _check_not_data_parallel(model)
+    owners: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                owners[id(p)] = owners.get(id(p), 0) + 1
+    found = {id(p): _Candidate(p, None, name, None) for name, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module.weight is None:
+            continue
+        w = module.weight
+        refusal = fusion_refusal(module)
+        if refusal is None and owners.get(id(w), 0) > 1:
+            refusal = "shared with another module (e.g. tied embeddings)"
+        found[id(w)] = _Candidate(w, module, f"{name}.weight" if name else "weight", refusal)
+    return found
+
+
+# Parameters of models marked by `fuse`, by id (their tensors compare element-wise, so no WeakKeyDictionary).
+_PREPARED: dict[int, _Candidate] = {}
+
+
+def fuse(model: torch.nn.Module) -> torch.nn.Module:
+    """Mark `model` so that a `ForgeOptimizer` built from its parameters (torch.optim's convention,
+    `ForgeOptimizer(model.parameters(), spec, ...)` or param groups) updates its eligible nn.Linear weights
+    inside backward. Changes nothing in the model (the optimizer installs the fused forwards); returns it.
+
+    `ForgeOptimizer(model, spec, ...)` does this itself."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fuse expects an nn.Module, got {type(model).__name__}")
+    for key, candidate in _candidates(model).items():
+        weight = candidate.weight_ref()
+        candidate.weight_ref = weakref.ref(weight, lambda _, key=key: _PREPARED.pop(key, None))
+        _PREPARED[key] = candidate
+    return model
+
+
+def _prepared(p: torch.Tensor) -> Optional[_Candidate]:
+    candidate = _PREPARED.get(id(p))
+    return candidate if candidate is not None and candidate.weight_ref() is p else None
+
+
+def _restore_forwards(forwards: list) -> None:
+    for forward in forwards:
+        forward.restore()
+
+
 class _ForgeLinearFn(torch.autograd.Function):
     """y = x Wᵀ + b.  Backward: ΔX with the old W, then the fused update of W (or dW, when unfused)."""
 
@@ -158,7 +315,7 @@ class _FusedHandle:
     def __init__(self, opt: "ForgeOptimizer", module: torch.nn.Linear, name: str) -> None:
         self.opt_ref = weakref.ref(opt)
         self.module_ref = weakref.ref(module)
-        self.weight = module.weight
+        self.weight_ref = weakref.ref(module.weight)
         self.name = name
         self.forward_uses = 0  # calls with grad in this step (recomputation inside backward excluded)
         self.updated = False  # the fused update of this step has run
@@ -172,12 +329,22 @@ class _FusedHandle:
             raise RuntimeError(_accumulation_message(self.name))
         # Decided per step: a layer called several times in this forward (a shared layer, or a stray forward
         # with grad enabled since the last step) hands each use's dW to autograd, summed into .grad.
+        weight = self.weight_ref()
         self.shared = self.forward_uses > 1
         if self.shared:
-            return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(self.weight.dtype)
-        opt._fused_update(self.weight, x, dy)
+            return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        opt._fused_update(weight, x, dy)
         self.updated = True
         return None
+
+
+def _interrupted_message(name: str, updated: int, fused: int) -> str:
+    return (
+        f"'{name}' was already updated in this step: the last backward was interrupted (an exception inside "
+        f"backward) after FORGE had applied the update of {updated} of the {fused} fused layers, which keep it "
+        f"(their step counters moved). Call optimizer.step() to close the step (it steps no parameter from the "
+        f"incomplete gradients that backward left) and optimizer.zero_grad(), then run the batch again."
+    )
 
 
 def _accumulation_message(name: str) -> str:
@@ -189,8 +356,7 @@ def _accumulation_message(name: str) -> str:
     )
 
 
-def _fused_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    handle: _FusedHandle = module._forge_handle
+def _fused_forward(module: torch.nn.Linear, handle: "_FusedHandle", x: torch.Tensor) -> torch.Tensor:
     if not (torch.is_grad_enabled() and module.weight.requires_grad):
         return torch.nn.functional.linear(x, module.weight, module.bias)
     if torch.is_autocast_enabled(x.device.type):
@@ -204,6 +370,9 @@ def _fused_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward (checkpointing)
         if handle.updated:
             # Refuse before the next micro-batch's backward can apply a second update.
+            opt = handle.opt_ref()
+            if opt is not None and opt._backward_open:
+                raise RuntimeError(_interrupted_message(handle.name, *opt._updated_count()))
             raise RuntimeError(_accumulation_message(handle.name) + " (This forward, with gradients enabled, "
                                "came after backward and before optimizer.step().)")
         handle.forward_uses += 1
@@ -229,10 +398,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
     """An optimizer written as a `.fopt` spec, fused into the backward of linear layers.
 
     Args:
-        model: the nn.Module to train; its eligible nn.Linear weights are updated in backward.
+        params: the nn.Module to train (its eligible nn.Linear weights are updated in backward), or, as
+            every torch optimizer takes them, parameters or param-group dicts of a model marked with
+            `forge_dsl.fuse(model)` (the eligible Linear weights among them are fused; without `fuse`, every
+            parameter is stepped from `.grad` in `step()`, with a warning).
         spec: a built-in name ("adamw", "lion", ...) or a path to any `.fopt` (compiled on first use).
-        params: optional torch-style parameters or param groups (e.g. no weight decay on norms
-            and biases); default: all of `model.parameters()` that require grad.
+        model_params: with a module as `params`, optional parameters or param groups of it (e.g. no weight
+            decay on norms and biases); default: all of its parameters that require grad.
         state_dtype: optimizer state layout: "fp32", "bf16", "int8" (block-64 quantized), or a
             dict per state name; default "fp32".
         rounding: bf16 weight write-back, "stochastic" (default) or "nearest".
@@ -263,10 +435,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        spec: SpecLike,
+        params: Union[torch.nn.Module, Iterable],
+        spec: Optional[SpecLike] = None,
         *,
-        params: Optional[Iterable] = None,
+        model_params: Optional[Iterable] = None,
         state_dtype: Union[str, Mapping[str, str]] = "fp32",
         rounding: str = "stochastic",
         seed: int = 0,
@@ -275,6 +447,23 @@ class ForgeOptimizer(torch.optim.Optimizer):
         foreach: bool = True,
         **hypers: Any,
     ) -> None:
+        if spec is None:
+            raise TypeError("ForgeOptimizer needs a spec: a built-in name ('adamw', 'lion', ...) or a .fopt path, "
+                            "e.g. ForgeOptimizer(model.parameters(), 'adamw', lr=1e-3)")
+        if isinstance(params, torch.nn.Module):
+            model = params
+            candidates = _candidates(model) if fuse else {}
+            params = model_params if model_params is not None else [
+                p for p in model.parameters() if p.requires_grad]
+        else:
+            if model_params is not None:
+                raise TypeError("model_params= goes with a module as the first argument; pass the parameters or "
+                                "param groups first instead")
+            if isinstance(params, torch.Tensor):
+                raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                                f"but got {torch.typename(params)}")
+            model = None
+            candidates = {}
         if linear_path not in LINEAR_PATHS:
             raise ValueError(f"linear_path must be one of {', '.join(LINEAR_PATHS)}, got {linear_path!r}")
         self.linear_path = linear_path
@@ -296,8 +485,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
                         values[i] = hypers.pop(m)
                 hypers[g.name] = tuple(values)
         defaults.update(hypers)
-        if params is None:
-            params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
         for group in self.param_groups:
             resolve_hypers(self.spec, self._group_hypers(group), caller="ForgeOptimizer")  # validate early
@@ -310,9 +497,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._check_param(p)
         self._handles: dict[torch.nn.Parameter, _FusedHandle] = {}
         self._unfused_reason: dict[torch.nn.Parameter, str] = {}
-        self._names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+        self._backward_open = False  # a fused update ran in a backward that has not finished (see _fused_update)
+        if model is None:  # parameters first: what `fuse(model)` recorded for them
+            candidates = {id(p): c for p in self._param_index if (c := _prepared(p)) is not None}
+            if fuse and not any(c.module_ref is not None for c in candidates.values()):
+                warnings.warn("ForgeOptimizer got parameters of no model marked with forge_dsl.fuse(model): every "
+                              "parameter is stepped from .grad in step() (exact, but without the fused update's "
+                              "memory saving). Call forge_dsl.fuse(model) before building the optimizer, or pass "
+                              "the model itself.", stacklevel=2)
+        self._names = {p: candidates[id(p)].name for p in self._param_index if id(p) in candidates}
         if fuse:
-            self._attach(model)
+            self._attach(candidates)
         _install_clip_guard()
 
     # -- construction ------------------------------------------------------
@@ -334,56 +529,43 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if not p.is_contiguous():
             raise ValueError("FORGE updates parameters in place and needs them contiguous")
 
-    def _attach(self, model: torch.nn.Module) -> None:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or "FullyShardedDataParallel" in type(
-            model
-        ).__name__:
-            raise ValueError(
-                "FORGE cannot fuse under data parallelism (DDP/FSDP): each rank would update its weights from its "
-                "own partial gradient before the all-reduce. Use fuse=False, or tensor/sequence parallelism."
-            )
-        owners: dict[int, int] = {}
-        for _, module in model.named_modules(remove_duplicate=False):
-            for p in module._parameters.values():
-                if p is not None:
-                    owners[id(p)] = owners.get(id(p), 0) + 1
-        seen: set[int] = set()
-        for name, module in model.named_modules():
-            if not isinstance(module, torch.nn.Linear) or id(module) in seen:
+    def _attach(self, candidates: dict[int, _Candidate]) -> None:
+        """Install the fused forward on every eligible Linear whose weight this optimizer trains."""
+        forwards = []
+        for p in self._param_index:
+            candidate = candidates.get(id(p))
+            module = candidate.module_ref() if candidate is not None and candidate.module_ref is not None else None
+            if module is None or module.weight is not p:
                 continue
-            seen.add(id(module))
-            w = module.weight
-            pname = f"{name}.weight" if name else "weight"
-            if w not in self._group_of:
+            refusal = fusion_refusal(module) or candidate.refusal  # the module may have changed since fuse()
+            if refusal is not None:
+                self._unfused_reason[p] = refusal
                 continue
-            if owners.get(id(w), 0) > 1:
-                self._unfused_reason[w] = "shared with another module (e.g. tied embeddings)"
+            if not p.requires_grad:
                 continue
-            if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
-                # nn.MultiheadAttention reads out_proj.weight directly, never through out_proj.forward.
-                self._unfused_reason[w] = "read directly by nn.MultiheadAttention"
-                continue
-            if not w.requires_grad:
-                continue
-            other = getattr(module, "_forge_handle", None)
-            if other is not None and other.opt_ref() is not None and other.opt_ref() is not self:
+            other = _fused_forward_of(module)
+            if other is not None and other.handle.opt_ref() is not None:
                 raise ValueError(
-                    f"'{pname}' is already fused by another ForgeOptimizer; call .detach() on that one first"
+                    f"'{candidate.name}' is already fused by another ForgeOptimizer; call .detach() on that one first"
                 )
-            handle = _FusedHandle(self, module, pname)
-            module._forge_handle = handle
-            module.forward = _fused_forward.__get__(module, type(module))
-            self._handles[w] = handle
-            _FUSED_PARAMS[id(w)] = w
+            handle = _FusedHandle(self, module, candidate.name)
+            forward = _FusedForward(module, handle)
+            module.forward = forward
+            forwards.append(forward)
+            self._handles[p] = handle
+            _FUSED_PARAMS[id(p)] = p
+        # the optimizer's end gives every module back its forward (detach() does it at once)
+        self._finalizer = weakref.finalize(self, _restore_forwards, forwards)
 
     def detach(self) -> None:
-        """Give every fused Linear its own forward back (the model then trains with any optimizer)."""
-        for handle in self._handles.values():
+        """Give every fused Linear back the forward it had (the model then trains with any optimizer); the
+        parameters left are stepped from `.grad` in `step()`."""
+        for p, handle in self._handles.items():
             module = handle.module_ref()
-            if module is not None and getattr(module, "_forge_handle", None) is handle:
-                del module.forward
-                del module._forge_handle
-            _FUSED_PARAMS.pop(id(handle.weight), None)
+            forward = _fused_forward_of(module) if module is not None else None
+            if forward is not None and forward.handle is handle:
+                forward.restore()
+            _FUSED_PARAMS.pop(id(p), None)
         self._handles.clear()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -415,14 +597,28 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return state
 
     def _fused_update(self, weight: torch.nn.Parameter, x: torch.Tensor, dy: torch.Tensor) -> None:
+        """One fused layer's update inside backward; its step counter moves with it, so the optimizer's state
+        is consistent whatever interrupts the backward after it."""
         group = self._group_of[weight]
         hypers = self._group_hypers(group)
         state = self._state_for(weight, group, hypers)
+        if not self._backward_open:
+            # cleared by the autograd engine when this backward finishes, not when an exception ends it
+            self._backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         linear_step(
             self.spec, x, dy, weight.data, state, path=self.linear_path, step=int(state["step"].item()) + 1,
             seed=int(state["seed"]), rounding=self.rounding,
             tf32=torch.get_float32_matmul_precision() != "highest", **hypers,
         )
+        state["step"] += 1
+
+    def _backward_finished(self) -> None:
+        self._backward_open = False
+
+    def _updated_count(self) -> tuple[int, int]:
+        """(fused layers updated in this step, fused layers)."""
+        return sum(h.updated for h in self._handles.values()), len(self._handles)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -431,6 +627,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._backward_open:  # the last backward was interrupted: close the step, step nothing from .grad
+            updated, fused = self._updated_count()
+            warnings.warn(f"the last backward was interrupted after FORGE had updated {updated} of the {fused} "
+                          "fused layers (they keep this step's update): step() closed the step without stepping "
+                          "the parameters updated from .grad, whose gradients that backward left incomplete. "
+                          "Call optimizer.zero_grad() and run the batch again.", RuntimeWarning, stacklevel=2)
+            self._end_step()
+            return loss
         for group in self.param_groups:
             hypers = self._group_hypers(group)
             shared: dict[tuple, list[torch.nn.Parameter]] = {}  # (step, shared_launch_key) -> params
@@ -445,8 +649,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                             "already applied, and backward through the other use may have read the updated weight. "
                             "Use the weight only through its module, or construct the optimizer with fuse=False."
                         )
-                    self.state[p]["step"] += 1
-                    continue
+                    continue  # its step counter moved with its update
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -470,10 +673,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
                            step=count + 1, seed=int(states[0]["seed"]), rounding=self.rounding, **hypers)
                 for state in states:
                     state["step"] += 1
+        self._end_step()
+        return loss
+
+    def _end_step(self) -> None:
+        self._backward_open = False
         for handle in self._handles.values():
             handle.forward_uses = 0
             handle.updated = False
-        return loss
 
     # -- reporting and checkpoints -----------------------------------------
     def describe(self) -> str:

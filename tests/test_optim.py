@@ -381,7 +381,7 @@ def test_param_groups_match_torch(model_name):
     ours = make()
     theirs = twin(ours, make)
     before = snapshot(ours)
-    opt = ForgeOptimizer(ours, "adamw", params=param_groups(ours, 0.2, no_decay_lr=3e-3), lr=1e-2)
+    opt = ForgeOptimizer(ours, "adamw", model_params=param_groups(ours, 0.2, no_decay_lr=3e-3), lr=1e-2)
     ref = torch.optim.AdamW(param_groups(theirs, 0.2, no_decay_lr=3e-3), lr=1e-2)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]
     batches = batches_of(3)
@@ -400,7 +400,7 @@ def test_fused_weights_take_their_own_groups_hyperparameters():
 
     ours = make_mlp()
     theirs = twin(ours, make_mlp)
-    opt = ForgeOptimizer(ours, "adamw", params=groups(ours), lr=1e-2, weight_decay=0.05)
+    opt = ForgeOptimizer(ours, "adamw", model_params=groups(ours), lr=1e-2, weight_decay=0.05)
     ref = torch.optim.AdamW(groups(theirs), lr=1e-2, weight_decay=0.05)
     batches = mlp_batches(3)
     train(ours, opt, batches, mlp_loss)
@@ -419,7 +419,7 @@ SCHEDULERS = {
 def test_lr_scheduler_matches_torch(name, sched):
     ours = make_mlp()
     theirs = twin(ours, make_mlp)
-    opt = ForgeOptimizer(ours, name, params=param_groups(ours, 0.05), **HYPERS[name])
+    opt = ForgeOptimizer(ours, name, model_params=param_groups(ours, 0.05), **HYPERS[name])
     ref = TORCH_OPTIMIZER[name](param_groups(theirs, 0.05), **HYPERS[name])
     s1, s2 = SCHEDULERS[sched](opt), SCHEDULERS[sched](ref)
     batches = mlp_batches(4)
@@ -523,7 +523,7 @@ def test_state_dict_round_trip_is_bit_identical(w_dtype, state_dtype, name):
     batches = mlp_batches(4, dtype=w_dtype)
     kw = dict(lr=1e-2, weight_decay=0.1)
     model = make()
-    opt = ForgeOptimizer(model, name, params=param_groups(model, 0.1), state_dtype=state_dtype, seed=5, **kw)
+    opt = ForgeOptimizer(model, name, model_params=param_groups(model, 0.1), state_dtype=state_dtype, seed=5, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
     train(model, opt, batches[:2], mlp_loss, scheduler=sched)
     saved = save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
@@ -531,7 +531,7 @@ def test_state_dict_round_trip_is_bit_identical(w_dtype, state_dtype, name):
 
     # B: another init, another seed and state layout at construction: all of it must come from the checkpoint.
     fresh = make(seed=99)
-    opt2 = ForgeOptimizer(fresh, name, params=param_groups(fresh, 0.1), state_dtype="fp32", seed=123, **kw)
+    opt2 = ForgeOptimizer(fresh, name, model_params=param_groups(fresh, 0.1), state_dtype="fp32", seed=123, **kw)
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1 / (s + 1))
     ckpt = load(saved)
     fresh.load_state_dict(ckpt["model"])
@@ -553,7 +553,7 @@ def test_state_dict_round_trip_is_bit_identical(w_dtype, state_dtype, name):
     # With other rounding seeds in the same checkpoint the bf16 run differs: the seed is what makes B equal A.
     if w_dtype == torch.bfloat16:
         other = make(seed=99)
-        opt3 = ForgeOptimizer(other, name, params=param_groups(other, 0.1), state_dtype=state_dtype, seed=6, **kw)
+        opt3 = ForgeOptimizer(other, name, model_params=param_groups(other, 0.1), state_dtype=state_dtype, seed=6, **kw)
         other.load_state_dict(ckpt["model"])
         state = ckpt["opt"]
         state["forge"]["seed"] = 6
@@ -687,7 +687,7 @@ def test_bad_keywords_are_refused_like_torch():
     with pytest.raises(ValueError, match=r"Invalid betas\[1\] \(beta2\): 1.0"):
         ForgeOptimizer(model, "adamw", betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="Invalid lr"):
-        ForgeOptimizer(model, "adamw", params=[{"params": model.parameters(), "lr": -1.0}])
+        ForgeOptimizer(model, "adamw", model_params=[{"params": model.parameters(), "lr": -1.0}])
     with pytest.raises(TypeError, match="missing required keyword argument 'momentum'"):
         ForgeOptimizer(model, "sgd_momentum")
     with pytest.raises(ValueError, match="linear_path must be one of auto, fused, slab, got 'cublas'"):
