@@ -6,6 +6,7 @@ members may also be passed by their own names), lets an optional hyperparameter
 (`hyper t = none`) be None, its default, checks ranges the way
 torch.optim does (a `ValueError` naming the keyword and its range), evaluates
 derived flags and `require` checks, and picks the flag combination to run.
+`check_step` and `check_seed` validate the two other numbers every step takes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .checker import Combo, variant_of
 from .errors import did_you_mean
 from .scalar_ops import apply_scalar_op
 
-__all__ = ["StepConfig", "resolve_hypers", "eval_host_expr"]
+__all__ = ["StepConfig", "resolve_hypers", "eval_host_expr", "check_step", "check_seed"]
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,89 @@ def eval_host_expr(expr: ir.Expr, values: Mapping[str, Any]):
     raise AssertionError(expr)
 
 
+def _tensor_item(label: str, value: Any, what: str) -> Any:
+    """The Python number in a one-element tensor (as torch allows for lr); anything else as it is."""
+    if not (hasattr(value, "numel") and hasattr(value, "item")):
+        return value
+    if value.numel() != 1:
+        raise ValueError(f"{label} must be {what}, got a tensor of shape {tuple(value.shape)}")
+    if getattr(value, "is_meta", False):
+        raise ValueError(f"{label} must be {what}, got a meta tensor (it has no value)")
+    return value.item()
+
+
 def _as_number(spec: ir.Spec, label: str, value: Any) -> float:
-    if hasattr(value, "numel") and hasattr(value, "item"):  # a tensor, as torch allows for lr
-        if value.numel() != 1:
-            raise ValueError(f"{spec.name}: {label} must be a number, got a tensor of shape {tuple(value.shape)}")
-        value = value.item()
+    value = _tensor_item(f"{spec.name}: {label}", value, "a number")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{spec.name}: {label} must be a number, got {type(value).__name__} {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int (or Fraction) beyond the largest float
+        too_large = f"Invalid {label}: {_short(value)} does not fit a float (the largest is about 1.8e308)"
+        raise ValueError(too_large) from None
+
+
+MAX_STEP = 2**53  # the largest step a float64 holds exactly
+
+
+def check_step(step: Any) -> int:
+    """`step` as an int, or a torch-style error naming it: the 1-based step number of a kernel or reference
+    step (an int, an integral float or a one-element tensor holding one).
+
+    Raises:
+        TypeError: not a number (None, a string, a bool).
+        ValueError: not a positive integer (0, 1.5, inf, nan), or above `MAX_STEP`.
+    """
+    if type(step) is int and 1 <= step <= MAX_STEP:  # the common case, first: every layer's update checks it
+        return step
+    value = _tensor_item("step", step, "a positive integer")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"step must be a positive integer (1 for the first step), got {type(step).__name__} {step!r}")
+    whole = _integral(value)
+    if whole is None or whole < 1:
+        raise ValueError(f"step must be a positive integer (1 for the first step), got {_short(step)}")
+    if whole > MAX_STEP:
+        raise ValueError(f"step must be at most 2**53 (host scalars such as beta1 ** step are float64), "
+                         f"got {_short(step)}")
+    return whole
+
+
+def check_seed(seed: Any, label: str = "seed") -> int:
+    """`seed` as an int, or a torch-style error naming it (`label`): a stochastic-rounding seed, any integer
+    (an integral float or a one-element integer tensor too); the kernels read its low 32 bits.
+
+    Raises:
+        TypeError: not a number (None, a string, a bool).
+        ValueError: not an integer (1.5, inf, nan).
+    """
+    if type(seed) is int:
+        return seed
+    value = _tensor_item(label, seed, "an integer")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{label} must be an integer, got {type(seed).__name__} {seed!r}")
+    whole = _integral(value)
+    if whole is None:
+        raise ValueError(f"{label} must be an integer, got {_short(seed)}")
+    return whole
+
+
+def _integral(value: numbers.Real) -> Optional[int]:
+    """`value` as an int where it is a whole number (of any size), else None (1.5, inf, nan)."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    try:
+        f = float(value)
+    except OverflowError:  # a Fraction beyond the largest float
+        return None
+    return int(f) if math.isfinite(f) and f.is_integer() else None
+
+
+def _short(value: Any) -> str:
+    """`repr(value)`, cut to 60 characters (an int of 400 digits is shown by its length)."""
+    text = repr(value)
+    if isinstance(value, int) and len(text) > 60:
+        return f"an integer of {len(text.lstrip('-'))} digits ({text[:20]}...)"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step") -> StepConfig:
@@ -128,7 +204,7 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
     for name, f in flags.items():
         v = kwargs.get(name, f.default)
         if hasattr(v, "item") and hasattr(v, "numel") and v.numel() == 1:
-            v = v.item()
+            v = _tensor_item(f"{spec.name}: {name}", v, "True or False")
         if not isinstance(v, bool):
             raise ValueError(f"{spec.name}: {name} must be True or False, got {v!r}")
         flag_values[name] = v

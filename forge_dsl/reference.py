@@ -14,7 +14,7 @@ from typing import Any, Mapping, MutableMapping, Union
 import torch
 
 from . import ir
-from .config import StepConfig, resolve_hypers
+from .config import StepConfig, check_step, resolve_hypers
 from .lowering import Lowered, Operand, lower
 from .scalar_ops import apply_scalar_op
 
@@ -184,8 +184,7 @@ def reference_step(
     spec = load_spec(spec)
     cfg = resolve_hypers(spec, hypers, caller="reference_step")
     low = lower(spec, cfg.combo)
-    if isinstance(step, bool) or int(step) != step or step < 1:
-        raise ValueError(f"step must be a positive integer (1 for the first step), got {step!r}")
+    step = check_step(step)
     if grad.shape != param.shape:
         raise ValueError(f"grad has shape {tuple(grad.shape)} but param has shape {tuple(param.shape)}; they must match")
     for name in low.states:

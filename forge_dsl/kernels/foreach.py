@@ -31,7 +31,7 @@ from typing import Any, Hashable, MutableMapping, Optional, Sequence
 import torch
 
 from ..api import SpecLike, load_spec
-from ..layouts import BLOCK, as_rows
+from ..layouts import BLOCK, as_rows, n_blocks
 from .launch import _QUANTIZED, _LAYOUT_OF_DTYPE, step as elementwise_step
 
 __all__ = ["FOREACH_MAX_ELEMENTS", "foreach_step", "shared_launch_key"]
@@ -71,6 +71,25 @@ def shared_launch_key(spec: SpecLike, param: torch.Tensor, grad: torch.Tensor,
         return None
     scalars = tuple(float(state[s.name]) for s in spec.scalars if s.name in state)
     return (param.device, param.dtype, grad.dtype, tuple((n, state[n].dtype) for n in names), scalars)
+
+
+def _check_one(spec, i: int, param: torch.Tensor, grad: torch.Tensor, state: MutableMapping[str, Any]) -> None:
+    """Shapes and devices of `grads[i]` and `states[i]` against `params[i]`: the flat buffers concatenate
+    them in order, so a state of another shape would be updated against other elements' gradients."""
+    if grad.shape != param.shape:
+        raise ValueError(f"grads[{i}] has shape {tuple(grad.shape)} but params[{i}] has {tuple(param.shape)}; "
+                         "they must match")
+    rows, cols = as_rows(param).shape
+    for name in _state_tensors(spec, state):
+        t = state[name]
+        want = (rows, n_blocks(cols)) if name.endswith(".scale") else tuple(param.shape)
+        if tuple(t.shape) != want:
+            raise ValueError(f"states[{i}]['{name}'] has shape {tuple(t.shape)} but params[{i}] of shape "
+                             f"{tuple(param.shape)} needs {want}; create it with "
+                             f"forge_dsl.init_state(spec, params[{i}])")
+    for what, t in [(f"grads[{i}]", grad)] + [(f"states[{i}]['{n}']", state[n]) for n in _state_tensors(spec, state)]:
+        if t.device != param.device:
+            raise ValueError(f"{what} is on {t.device} but params[{i}] is on {param.device}")
 
 
 def _flat_width(total: int) -> int:
@@ -115,7 +134,8 @@ def foreach_step(
             stochastic rounding of all of them).
 
     Raises:
-        ValueError: lists of different lengths, or parameters that cannot share a launch.
+        ValueError: lists of different lengths, a grad or state of another shape or device than its
+            parameter, or parameters that cannot share a launch.
     """
     spec = load_spec(spec)
     if not (len(params) == len(grads) == len(states)):
@@ -123,9 +143,8 @@ def foreach_step(
                          f"{len(grads)} grads and {len(states)} states")
     if not params:
         return
-    for p, g in zip(params, grads):
-        if g.shape != p.shape:
-            raise ValueError(f"grad has shape {tuple(g.shape)} but param has {tuple(p.shape)}; they must match")
+    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+        _check_one(spec, i, p, g, s)
     keys = [shared_launch_key(spec, p, g, s) for p, g, s in zip(params, grads, states)]
     if keys[0] is None or any(k != keys[0] for k in keys):
         bad = next(i for i, k in enumerate(keys) if k is None or k != keys[0])

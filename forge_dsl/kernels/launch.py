@@ -25,7 +25,7 @@ from typing import Any, MutableMapping, Optional
 import torch
 
 from ..api import SpecLike, load_spec
-from ..config import resolve_hypers
+from ..config import check_seed, check_step, resolve_hypers
 from ..layouts import BLOCK, StateLayout, as_rows, n_blocks
 from . import prepared
 from .compiled import compiled_module
@@ -283,8 +283,9 @@ def step_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, i
 
 def mix_seed(seed: int, step: int) -> int:
     """The key of `triton_lib.random_bits`, in [0, 2**31), from (seed, step): splitmix64 of both,
-    so every step draws new bits."""
-    z = ((int(seed) & 0xFFFFFFFF) << 32 | (int(step) & 0xFFFFFFFF)) + 0x9E3779B97F4A7C15
+    so every step draws new bits. `seed` is any integer (its low 32 bits count; TypeError / ValueError
+    naming it otherwise, `forge_dsl.config.check_seed`); `step` a checked step number."""
+    z = ((check_seed(seed) & 0xFFFFFFFF) << 32 | (int(step) & 0xFFFFFFFF)) + 0x9E3779B97F4A7C15
     z &= 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
@@ -293,6 +294,9 @@ def mix_seed(seed: int, step: int) -> int:
 
 
 def _check_device(t: torch.Tensor, what: str) -> None:
+    if t.is_meta:
+        raise ValueError(f"{what} is a meta tensor, which has no data to update; materialize it first "
+                         "(e.g. model.to_empty(device='cuda') and initialize the weights)")
     if t.device.type == "cpu" and not interpreting():
         raise ValueError(
             f"{what} is on the CPU; the kernels run on CUDA tensors, or on CPU tensors in the Triton "
@@ -396,8 +400,7 @@ def _variant(spec, hypers: dict, step: int, state):
 
 
 def _check_step(step) -> None:
-    if isinstance(step, bool) or int(step) != step or step < 1:
-        raise ValueError(f"step must be a positive integer (1 for the first step), got {step!r}")
+    check_step(step)  # TypeError / ValueError naming `step` (forge_dsl.config)
 
 
 _RESOLVED: dict = {}  # (id(spec), keywords) -> (spec, StepConfig): see _resolved_hypers
@@ -456,6 +459,9 @@ def _check_linear(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, round
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     N, K = weight.shape
+    if x.dim() == 0 or dy.dim() == 0:
+        raise ValueError(f"x [..., K] and dy [..., N] need a feature dim, got shapes {tuple(x.shape)} and "
+                         f"{tuple(dy.shape)}")
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim but weight [N, K] has K = {K}")
     if dy.shape[-1] != N:
@@ -470,7 +476,8 @@ def _check_linear(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, round
         _check_device(t, what)
         if t.device != weight.device:
             raise ValueError(f"{what} is on {t.device} but weight is on {weight.device}")
-    return x.reshape(-1, K), dy.reshape(-1, N)
+    T = math.prod(x.shape[:-1])  # not reshape(-1, K): that cannot infer T where K (or N) is 0
+    return x.reshape(T, K), dy.reshape(T, N)
 
 
 def fused_linear_step(
