@@ -58,6 +58,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 
 from . import ir
+from . import checkpoint
 from .api import SpecLike, init_state, load_spec
 from .config import resolve_hypers
 from .kernels import launch
@@ -593,6 +594,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             state.update(init_state(self.spec, p.data, layout=self.state_dtype,
                                     initial_hypers=group.get(_INITIAL_KEY), **hypers))
             state["step"] = torch.tensor(0.0)
+            # a group with state carries its checkpoint metadata from now on (forge_dsl/checkpoint.py: why)
+            group.setdefault(checkpoint.META_KEY, self._checkpoint_metadata())
             state["seed"] = torch.tensor(self._param_seed(p), dtype=torch.int64)
         return state
 
@@ -684,8 +687,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     # -- reporting and checkpoints -----------------------------------------
     def describe(self) -> str:
-        """Which weights are updated inside backward, and why the others are not."""
+        """Which weights are updated inside backward, and why the others are not; the state layout asked for
+        (`state_dtype`, the saved one after `load_state_dict`) and the layouts the states hold."""
         lines = [f"ForgeOptimizer({self.spec.name}, state {self.state_dtype}, rounding {self.rounding})"]
+        held = checkpoint.held_layouts(self.spec, self.state.values())
+        if held is not None:
+            lines.append(f"  state held: {held}")
         fused = [h.name for h in self._handles.values() if not h.shared]
         shared = [h.name for h in self._handles.values() if h.shared]
         lines.append(f"  fused in backward ({len(fused)}): " + (", ".join(fused) or "none"))
@@ -698,39 +705,33 @@ class ForgeOptimizer(torch.optim.Optimizer):
         lines.append(f"  stepped from .grad in step() ({len(rest)}): " + (", ".join(rest) or "none"))
         return "\n".join(lines)
 
+    def _checkpoint_metadata(self) -> dict:
+        """What this optimizer's states are, as `state_dict()` records it in each param group."""
+        return checkpoint.metadata(self.spec, self.state_dtype, self.rounding, self.seed)
+
     def state_dict(self) -> dict:
+        """torch's state dict; each param group carries `checkpoint.META_KEY`: the spec, its hash, the state
+        layout, rounding and seed, which `load_state_dict` checks the states against (forge_dsl/checkpoint.py
+        says why it sits in the groups: torch.distributed.checkpoint keeps them)."""
+        for group in self.param_groups:
+            group[checkpoint.META_KEY] = self._checkpoint_metadata()
         sd = super().state_dict()
-        sd["forge"] = {"spec": self.spec.name, "state_dtype": self.state_dtype, "rounding": self.rounding,
-                       "seed": self.seed}
+        for group in sd["param_groups"]:  # not the live groups' dicts: a caller may edit what it got
+            group[checkpoint.META_KEY] = self._checkpoint_metadata()
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a `state_dict()`; states keep their saved dtypes (int8 codes, fp32 scales) and move to their
-        parameter's device; step, seed and scalar states stay on the CPU, where `init_state` makes them."""
-        state_dict = dict(state_dict)
-        meta = state_dict.pop("forge", None)
-        if meta is not None and meta["spec"] != self.spec.name:
-            raise ValueError(f"state_dict is for optimizer '{meta['spec']}', this one runs '{self.spec.name}'")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)
-        ):
-            raise ValueError("state_dict has a different number of param groups or parameters per group")
-        id_map = {
-            old: p for sg, g in zip(saved_groups, self.param_groups) for old, p in zip(sg["params"], g["params"])
-        }
+        """Load a `state_dict()` after checking all of it (`checkpoint.check_state_dict`: spec, layouts, dtypes,
+        shapes, step, seed): a dict that does not match raises ValueError saying why and what to do, and leaves
+        the optimizer as it was. States keep their saved layouts (int8 codes, fp32 scales) and move to their
+        parameter's device; step, seed and scalar states stay on the CPU, where `init_state` makes them. The
+        saved state layout, rounding and seed become this optimizer's (for parameters without state yet)."""
+        loaded = checkpoint.check_state_dict(self.spec, state_dict, self.param_groups, self._keywords, self._names)
         self.state.clear()
-        scalar_keys = set(self.spec.scalar_names) | {"step", "seed"}
-        for old_id, values in state_dict["state"].items():
-            p = id_map[old_id]
-            self.state[p] = {
-                k: v.to("cpu" if k in scalar_keys else p.device, copy=True) if isinstance(v, torch.Tensor) else v
-                for k, v in values.items()
-            }
-        for sg, g in zip(saved_groups, self.param_groups):
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = v
-        if meta is not None:
-            self.rounding = meta["rounding"]
-            self.seed = meta["seed"]
+        self.state.update(loaded.states)
+        for group, values in zip(self.param_groups, loaded.groups):
+            group.update(values)
+        meta = loaded.meta
+        self.state_dtype = meta["state_dtype"]
+        self.rounding = meta["rounding"]
+        self.seed = meta["seed"]

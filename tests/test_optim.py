@@ -556,7 +556,8 @@ def test_state_dict_round_trip_is_bit_identical(w_dtype, state_dtype, name):
         opt3 = ForgeOptimizer(other, name, model_params=param_groups(other, 0.1), state_dtype=state_dtype, seed=6, **kw)
         other.load_state_dict(ckpt["model"])
         state = ckpt["opt"]
-        state["forge"]["seed"] = 6
+        for group in state["param_groups"]:
+            group["_forge"]["seed"] = 6
         for s in state["state"].values():
             s["seed"] = s["seed"] + 1
         opt3.load_state_dict(state)
