@@ -37,13 +37,15 @@ Exactness rules (each refused loudly when it cannot hold):
     weight after its update and before `step()` (or a second backward through
     it) is refused, because this step's update already happened;
   * a fused weight that also gets a gradient from a use outside its Linear
-    (`F.linear(x, module.weight)`) raises in `step()`;
-  * global-norm clipping needs every gradient before any update, so
-    `torch.nn.utils.clip_grad_norm_` and `clip_grads_with_norm_` on fused
-    weights raise (Hugging Face Trainer: `TrainingArguments(max_grad_norm=0)`;
-    with `max_norm=inf`, which only measures, `clip_grad_norm_` returns NaN),
-    and `max_grad_norm=` is not offered (see `_CLIP_MESSAGE`);
-    `clip_grad_value_` on fused weights raises too: clamp in the spec instead;
+    (`F.linear(x, module.weight)`) raises, in backward or in `step()`;
+  * after its update a fused weight's `.grad` is a `consumed_grad.ConsumedGrad`,
+    which holds no memory and makes every reader say why it cannot be exact:
+    global-norm clipping needs every gradient before any update, so
+    `clip_grad_norm_` and `clip_grads_with_norm_` raise, however they were
+    imported (Hugging Face Trainer: `TrainingArguments(max_grad_norm=0)`; with
+    `max_norm=inf`, which only measures, `clip_grad_norm_` returns NaN and
+    scales nothing), `clip_grad_value_` raises too (clamp in the spec instead),
+    and `max_grad_norm=` is not offered;
   * `torch.autocast` over a fused layer raises: train a bf16 model instead.
 """
 
@@ -60,95 +62,13 @@ import torch
 from . import ir
 from . import checkpoint
 from .api import SpecLike, init_state, load_spec
+from .consumed_grad import CLIP_MESSAGE, OUTSIDE_USE_MESSAGE, ConsumedGrad, consumed_grad
 from .config import resolve_hypers
 from .kernels import launch
 from .kernels.foreach import FOREACH_MAX_ELEMENTS, _step_flat, shared_launch_key
 from .kernels.launch import LINEAR_PATHS, linear_step, step as elementwise_step
 
 __all__ = ["ForgeOptimizer", "fuse", "fusion_refusal"]
-
-_CLIP_MESSAGE = (
-    "global-norm gradient clipping needs every gradient before any weight is updated, but FORGE updates "
-    "linear weights inside backward without ever storing their gradients, so the norm cannot be taken "
-    "exactly (doing it would need a second backward pass). Train without clipping: torch users drop "
-    "clip_grad_norm_; Hugging Face Trainer users set TrainingArguments(max_grad_norm=0)."
-)
-
-# Fused parameters of live ForgeOptimizers, for the clip_grad_norm_ guard, by id: a WeakSet would
-# compare tensors with `==` (element-wise) on lookup and raise "Boolean value of Tensor ... ambiguous".
-_FUSED_PARAMS: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
-
-
-def _is_fused(p: Any) -> bool:
-    return isinstance(p, torch.Tensor) and _FUSED_PARAMS.get(id(p)) is p
-
-
-_VALUE_CLIP_MESSAGE = (
-    "FORGE updates linear weights inside backward without ever storing their gradients, so there is "
-    "nothing to clamp afterwards. Clamp inside the update instead: a spec can say "
-    "`g = clamp(grad, -clip, clip)` (docs/LANGUAGE.md), which the fused kernel applies exactly."
-)
-
-
-def _fused_among(parameters) -> tuple[list, list]:
-    """(parameters as a list, the FORGE-fused ones among them)."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    return params, [p for p in params if _is_fused(p)]
-
-
-def _install_clip_guard() -> None:
-    """Make torch's gradient clipping refuse parameters whose gradients FORGE consumes in backward:
-    `clip_grad_norm_`, the two-step `get_total_norm` + `clip_grads_with_norm_` (its second step; the
-    first sees only gradients), and `clip_grad_value_`. Parameters stepped from `.grad` are clipped as usual."""
-    import torch.nn.utils as nn_utils
-    import torch.nn.utils.clip_grad as clip_grad
-
-    original = clip_grad.clip_grad_norm_
-    if getattr(original, "_forge_guard", False):
-        return
-
-    @functools.wraps(original)
-    def guarded(parameters, *args, **kwargs):
-        params, fused = _fused_among(parameters)
-        if fused:
-            max_norm = kwargs["max_norm"] if "max_norm" in kwargs else (args[0] if args else None)
-            if max_norm is not None and math.isinf(float(max_norm)):
-                # Nothing would be clipped, only measured (Hugging Face Trainer logs grad_norm this way even
-                # with max_grad_norm=0): the step stays exact, but the fused weights' gradients were never
-                # formed, so the total norm is unknown: NaN, rather than a norm that leaves them out.
-                return torch.tensor(float("nan"), device=fused[0].device)
-            raise RuntimeError("clip_grad_norm_ cannot see the gradients of FORGE-fused weights: " + _CLIP_MESSAGE)
-        return original(params, *args, **kwargs)
-
-    guarded._forge_guard = True
-    clip_grad.clip_grad_norm_ = guarded
-    nn_utils.clip_grad_norm_ = guarded
-
-    with_norm = getattr(nn_utils, "clip_grads_with_norm_", None)  # torch >= 2.6
-    if with_norm is not None:
-        @functools.wraps(with_norm)
-        def guarded_with_norm(parameters, max_norm, *args, **kwargs):
-            params, fused = _fused_among(parameters)
-            if fused and not math.isinf(float(max_norm)):  # an infinite max_norm scales nothing
-                raise RuntimeError("clip_grads_with_norm_ cannot scale the gradients of FORGE-fused weights, and "
-                                   "get_total_norm never saw them: " + _CLIP_MESSAGE)
-            return with_norm(params, max_norm, *args, **kwargs)
-
-        nn_utils.clip_grads_with_norm_ = guarded_with_norm
-
-    by_value = clip_grad.clip_grad_value_
-
-    @functools.wraps(by_value)
-    def guarded_value(parameters, *args, **kwargs):
-        params, fused = _fused_among(parameters)
-        if fused:
-            raise RuntimeError("clip_grad_value_ cannot clamp the gradients of FORGE-fused weights: "
-                               + _VALUE_CLIP_MESSAGE)
-        return by_value(params, *args, **kwargs)
-
-    clip_grad.clip_grad_value_ = guarded_value
-    nn_utils.clip_grad_value_ = guarded_value
-
 
 _MISSING = object()
 
@@ -332,10 +252,16 @@ class _FusedHandle:
         # with grad enabled since the last step) hands each use's dW to autograd, summed into .grad.
         weight = self.weight_ref()
         self.shared = self.forward_uses > 1
+        if isinstance(weight.grad, ConsumedGrad):  # a step's placeholder left by a loop without zero_grad()
+            weight.grad = None
         if self.shared:
             return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        if weight.grad is not None:  # refused before the update: a gradient from another use came first
+            raise RuntimeError(f"'{self.name}': " + OUTSIDE_USE_MESSAGE)
         opt._fused_update(weight, x, dy)
         self.updated = True
+        # what reads .grad from now on (clipping, however imported) learns that it was consumed here
+        weight.grad = consumed_grad(weight, self.name)
         return None
 
 
@@ -470,7 +396,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.linear_path = linear_path
         self.foreach = bool(foreach)
         if "max_grad_norm" in hypers:
-            raise ValueError("ForgeOptimizer does not offer max_grad_norm: " + _CLIP_MESSAGE)
+            raise ValueError("ForgeOptimizer does not offer max_grad_norm: " + CLIP_MESSAGE)
         if rounding not in ("stochastic", "nearest"):
             raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
         self.spec = load_spec(spec)
@@ -509,7 +435,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._names = {p: candidates[id(p)].name for p in self._param_index if id(p) in candidates}
         if fuse:
             self._attach(candidates)
-        _install_clip_guard()
 
     # -- construction ------------------------------------------------------
     def _group_hypers(self, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -554,7 +479,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
             module.forward = forward
             forwards.append(forward)
             self._handles[p] = handle
-            _FUSED_PARAMS[id(p)] = p
         # the optimizer's end gives every module back its forward (detach() does it at once)
         self._finalizer = weakref.finalize(self, _restore_forwards, forwards)
 
@@ -566,7 +490,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             forward = _fused_forward_of(module) if module is not None else None
             if forward is not None and forward.handle is handle:
                 forward.restore()
-            _FUSED_PARAMS.pop(id(p), None)
+            if isinstance(p.grad, ConsumedGrad):
+                p.grad = None
         self._handles.clear()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -644,16 +569,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 handle = self._handles.get(p)
                 if handle is not None and handle.updated:
-                    if p.grad is not None:
-                        raise RuntimeError(
-                            f"'{handle.name}' was updated inside backward by its nn.Linear, but it also received a "
-                            "gradient from a use outside that module (e.g. F.linear(x, module.weight) or "
-                            "module.weight.T elsewhere in forward): that gradient cannot be added to an update "
-                            "already applied, and backward through the other use may have read the updated weight. "
-                            "Use the weight only through its module, or construct the optimizer with fuse=False."
-                        )
+                    if not isinstance(p.grad, ConsumedGrad):
+                        raise RuntimeError(f"'{handle.name}': " + OUTSIDE_USE_MESSAGE)
                     continue  # its step counter moved with its update
-                if p.grad is None:
+                if p.grad is None or isinstance(p.grad, ConsumedGrad):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("sparse gradients are not supported (nn.Embedding(sparse=True))")

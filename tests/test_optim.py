@@ -345,9 +345,9 @@ def test_weight_also_used_outside_its_linear_is_refused():
     make = lambda seed=0: make_mlp(seed, cls=DirectUse)  # noqa: E731
     model = make()
     opt = ForgeOptimizer(model, "sgd", lr=1.0)
-    mlp_loss(model, mlp_batches(1)[0]).backward()
+    # refused in backward, where the other use's gradient meets the consumed one (whichever comes first)
     with pytest.raises(RuntimeError, match=r"'a\.weight'.*use outside that module.*fuse=False"):
-        opt.step()
+        mlp_loss(model, mlp_batches(1)[0]).backward()
     # fuse=False: every parameter stepped from its gradient by the element-wise kernel, as torch does.
     ours = make()
     theirs = twin(ours, make)
@@ -615,8 +615,54 @@ def test_clip_grad_norm_on_fused_weights_is_refused():
     # Parameters stepped from .grad can still be clipped, and a norm that clips nothing is unknown (NaN).
     norm = torch.nn.utils.clip_grad_norm_([model.up.bias, model.norm.weight], 1.0)
     assert torch.isfinite(norm)
-    assert torch.isnan(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    grads = [p.grad.clone() for p in model.parameters() if p not in opt._handles]
+    assert math.isnan(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+    assert all(torch.equal(p.grad, g) for p, g in zip([p for p in model.parameters() if p not in opt._handles], grads))
     opt.step()
+
+
+def test_clipping_is_refused_however_it_is_reached():
+    """No torch function is replaced (the refusal comes from the fused weights' `.grad`, a `ConsumedGrad`), so it
+    holds for a reference taken before forge_dsl was imported and for a hand-written clipping loop; what only
+    reads (a grad-norm log) gets NaN."""
+    import os
+    import subprocess
+    import sys
+
+    from forge_dsl.consumed_grad import ConsumedGrad
+
+    script = (
+        "import torch\n"
+        "from torch.nn.utils import clip_grad_norm_  # before forge_dsl is imported\n"
+        "import forge_dsl\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))\n"
+        "opt = forge_dsl.ForgeOptimizer(model, 'sgd', lr=0.1)\n"
+        "model(torch.randn(4, 64)).square().sum().backward()\n"
+        "try:\n"
+        "    clip_grad_norm_(model.parameters(), 1.0)\n"
+        "except RuntimeError as e:\n"
+        "    print('refused' if 'max_grad_norm=0' in str(e) else e)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE.type == "cpu" else dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1:] == ["refused"], out.stdout + out.stderr[-2000:]
+    model = make_mlp()
+    opt = ForgeOptimizer(model, "adamw")
+    mlp_loss(model, mlp_batches(1)[0]).backward()
+    assert isinstance(model.up.weight.grad, ConsumedGrad)
+    with pytest.raises(RuntimeError, match="invalid python storage"):  # it holds no memory
+        model.up.weight.grad.untyped_storage().data_ptr()
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    assert math.isnan(total.item())
+    with pytest.raises(RuntimeError, match="max_grad_norm=0"):
+        coef = (1.0 / (total + 1e-6)).clamp(max=1.0)
+    with pytest.raises(RuntimeError, match="a decision on a value computed from the gradient of 'up.weight'"):
+        if total > 1.0:
+            pass
+    opt.step()
+    opt.zero_grad()
+    assert model.up.weight.grad is None
 
 
 def test_two_step_and_value_clipping_on_fused_weights_are_refused():
@@ -625,13 +671,14 @@ def test_two_step_and_value_clipping_on_fused_weights_are_refused():
     model = make_mlp()
     opt = ForgeOptimizer(model, "adamw")
     mlp_loss(model, mlp_batches(1)[0]).backward()
-    others = [p for p in model.parameters() if p.grad is not None]
+    others = [p for p in model.parameters() if p.grad is not None and p not in opt._handles]
     grads = [p.grad.clone() for p in others]
     if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
         total = torch.nn.utils.get_total_norm([p.grad for p in others])
-        with pytest.raises(RuntimeError, match="clip_grads_with_norm_ .*get_total_norm never saw them.*max_grad_norm=0"):
+        with pytest.raises(RuntimeError, match="cannot scale the gradient .*total norm never saw it.*max_grad_norm=0"):
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, total)
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), float("inf"), total)  # scales nothing: allowed
+        with pytest.raises(RuntimeError, match="total norm never saw it"):  # a norm of the other gradients alone
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 10 * total.item(), total)
         torch.nn.utils.clip_grads_with_norm_(others, total / 2, total)  # unfused parameters: clipped as usual
         for p, g in zip(others, grads):
             torch.testing.assert_close(p.grad, g / 2, rtol=1e-5, atol=0)
