@@ -341,13 +341,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             tensor cores under "high" or "medium", like every other matmul of the model.
         fuse: False steps every parameter from its gradient (no fusion; for comparisons).
         linear_path: "auto" (default), "fused" or "slab": how a fused layer's update runs
-            (`forge_dsl.kernels.linear_step`). "auto" takes the tile-fused kernel (warp-specialized
-            on Hopper GPUs with Gluon), except with int8 state from 2048 tokens per step on every weight,
-            and without the warp-specialized kernel for bf16 activations from 4097 tokens and weights of
-            4096² elements or more,
-            where cuBLAS dW in row slabs (32 MiB with int8 state, else 16 MiB) consumed at once by the
-            step kernel measured faster (dW then rounded to bf16 as autograd's is; never more than
-            one slab of it exists).
+            (`forge_dsl.kernels.linear_step`): "auto" takes what `kernels.launch.auto_linear_path` decides
+            for the layer's shape, token count, state layout and GPU; "fused" the tile-fused kernel (fp32
+            dW in registers) everywhere; "slab" cuBLAS dW in L2-sized row slabs, rounded to bf16 as
+            autograd's dW is, each consumed at once by the element-wise kernel.
         foreach: True (default) steps the parameters left to `step()` that have up to 2**20
             elements and share dtypes and state layouts (norm weights, biases) in one launch
             (`forge_dsl.kernels.foreach`), as torch.optim's `foreach` does: each launch costs host
