@@ -51,7 +51,6 @@ Exactness rules (each refused loudly when it cannot hold):
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 import weakref
@@ -62,79 +61,14 @@ import torch
 from . import ir
 from . import checkpoint
 from .api import SpecLike, init_state, load_spec
-from .consumed_grad import CLIP_MESSAGE, OUTSIDE_USE_MESSAGE, ConsumedGrad, consumed_grad
-from .config import resolve_hypers
+from .consumed_grad import CLIP_MESSAGE, OUTSIDE_USE_MESSAGE, ConsumedGrad
+from .fused_linear import _FusedForward, _FusedHandle, _fused_forward_of, _restore_forwards, fusion_refusal
+from .config import check_seed, resolve_hypers
 from .kernels import launch
 from .kernels.foreach import FOREACH_MAX_ELEMENTS, _step_flat, shared_launch_key
 from .kernels.launch import LINEAR_PATHS, linear_step, step as elementwise_step
 
 __all__ = ["ForgeOptimizer", "fuse", "fusion_refusal"]
-
-_MISSING = object()
-
-
-def _is_dormant_forward(module: torch.nn.Module, forward: Any) -> bool:
-    """Whether `forward` (an instance attribute) is what a copy of a fused module holds: nn.Linear's own forward
-    bound to the module (`_FusedForward.__reduce__`)."""
-    return (isinstance(forward, functools.partial) and forward.func is torch.nn.Linear.forward
-            and len(forward.args) == 1 and forward.args[0] is module and not forward.keywords)
-
-
-class _FusedForward:
-    """The instance-level `forward` of a fused nn.Linear: the FORGE path while its optimizer lives, nn.Linear's
-    own forward after (the module is then given back what it had). A copy (deepcopy, pickle, `torch.save`)
-    is nn.Linear's own forward bound to the copied module: a copied model is a plain model."""
-
-    __slots__ = ("module_ref", "handle", "previous", "__weakref__")
-
-    def __init__(self, module: torch.nn.Linear, handle: "_FusedHandle") -> None:
-        self.module_ref = weakref.ref(module)
-        self.handle = handle
-        self.previous = module.__dict__.get("forward", _MISSING)  # a copy's dormant forward, or nothing
-
-    def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        module = self.module_ref()
-        if self.handle.opt_ref() is None:  # its optimizer is gone: nn.Linear again
-            self.restore()
-            return torch.nn.Linear.forward(module, input)
-        return _fused_forward(module, self.handle, input)
-
-    def restore(self) -> None:
-        """Give the module back the forward it had before it was fused."""
-        module = self.module_ref()
-        if module is not None and module.__dict__.get("forward") is self:
-            if self.previous is _MISSING:
-                del module.forward
-            else:
-                module.forward = self.previous
-
-    def __reduce__(self):
-        return functools.partial, (torch.nn.Linear.forward, self.module_ref())
-
-
-def _fused_forward_of(module: torch.nn.Module) -> Optional[_FusedForward]:
-    forward = module.__dict__.get("forward")
-    return forward if isinstance(forward, _FusedForward) else None
-
-
-def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
-    """Why FORGE does not fuse this module's weight (None: it does, if the weight is trained and not shared).
-
-    Only an nn.Linear whose forward is nn.Linear's own is fused: a subclass with its own forward
-    (`torch.ao.nn.qat.Linear`'s fake quantization, a scaled output) or a forward replaced on the instance (by
-    a hook library) would silently lose what it does. nn.MultiheadAttention reads its out_proj's weight
-    directly, never through out_proj's forward."""
-    if not isinstance(module, torch.nn.Linear):
-        return "not an nn.Linear"
-    if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
-        return "read directly by nn.MultiheadAttention"
-    if type(module).forward is not torch.nn.Linear.forward:
-        return f"{type(module).__qualname__} has its own forward, which FORGE does not replace"
-    forward = module.__dict__.get("forward", _MISSING)
-    if forward is not _MISSING and not isinstance(forward, _FusedForward) and not _is_dormant_forward(module, forward):
-        return "its forward was replaced on the instance (e.g. by a hook library), which FORGE does not replace"
-    return None
-
 
 def _check_not_data_parallel(model: torch.nn.Module) -> None:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or "FullyShardedDataParallel" in type(
@@ -202,108 +136,6 @@ def fuse(model: torch.nn.Module) -> torch.nn.Module:
 def _prepared(p: torch.Tensor) -> Optional[_Candidate]:
     candidate = _PREPARED.get(id(p))
     return candidate if candidate is not None and candidate.weight_ref() is p else None
-
-
-def _restore_forwards(forwards: list) -> None:
-    for forward in forwards:
-        forward.restore()
-
-
-class _ForgeLinearFn(torch.autograd.Function):
-    """y = x Wᵀ + b.  Backward: ΔX with the old W, then the fused update of W (or dW, when unfused)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, handle):
-        ctx.save_for_backward(x)
-        ctx.handle = handle
-        ctx.weight = weight  # not saved through autograd: it is updated in place in backward
-        ctx.has_bias = bias is not None
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        weight = ctx.weight
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # the old weight, before the update
-        dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        dweight = ctx.handle.consume(x, dy)
-        return dx, dweight, dbias, None
-
-
-class _FusedHandle:
-    """Bookkeeping of one fused Linear weight: uses in this step, and the update call."""
-
-    def __init__(self, opt: "ForgeOptimizer", module: torch.nn.Linear, name: str) -> None:
-        self.opt_ref = weakref.ref(opt)
-        self.module_ref = weakref.ref(module)
-        self.weight_ref = weakref.ref(module.weight)
-        self.name = name
-        self.forward_uses = 0  # calls with grad in this step (recomputation inside backward excluded)
-        self.updated = False  # the fused update of this step has run
-        self.shared = False  # the last backward found it called several times in one step: stepped unfused
-
-    def consume(self, x: torch.Tensor, dy: torch.Tensor) -> Optional[torch.Tensor]:
-        opt = self.opt_ref()
-        if opt is None:
-            raise RuntimeError(f"the ForgeOptimizer of '{self.name}' no longer exists")
-        if self.updated:
-            raise RuntimeError(_accumulation_message(self.name))
-        # Decided per step: a layer called several times in this forward (a shared layer, or a stray forward
-        # with grad enabled since the last step) hands each use's dW to autograd, summed into .grad.
-        weight = self.weight_ref()
-        self.shared = self.forward_uses > 1
-        if isinstance(weight.grad, ConsumedGrad):  # a step's placeholder left by a loop without zero_grad()
-            weight.grad = None
-        if self.shared:
-            return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(weight.dtype)
-        if weight.grad is not None:  # refused before the update: a gradient from another use came first
-            raise RuntimeError(f"'{self.name}': " + OUTSIDE_USE_MESSAGE)
-        opt._fused_update(weight, x, dy)
-        self.updated = True
-        # what reads .grad from now on (clipping, however imported) learns that it was consumed here
-        weight.grad = consumed_grad(weight, self.name)
-        return None
-
-
-def _interrupted_message(name: str, updated: int, fused: int) -> str:
-    return (
-        f"'{name}' was already updated in this step: the last backward was interrupted (an exception inside "
-        f"backward) after FORGE had applied the update of {updated} of the {fused} fused layers, which keep it "
-        f"(their step counters moved). Call optimizer.step() to close the step (it steps no parameter from the "
-        f"incomplete gradients that backward left) and optimizer.zero_grad(), then run the batch again."
-    )
-
-
-def _accumulation_message(name: str) -> str:
-    return (
-        f"'{name}' received a second gradient before optimizer.step(): FORGE already applied this step's "
-        f"update inside the first backward, so gradient accumulation over micro-batches (or a second "
-        f"backward through the same graph, or a layer called twice inside a reentrant checkpoint) cannot be "
-        f"exact. Call optimizer.step() after every backward, or use a larger batch instead of accumulation."
-    )
-
-
-def _fused_forward(module: torch.nn.Linear, handle: "_FusedHandle", x: torch.Tensor) -> torch.Tensor:
-    if not (torch.is_grad_enabled() and module.weight.requires_grad):
-        return torch.nn.functional.linear(x, module.weight, module.bias)
-    if torch.is_autocast_enabled(x.device.type):
-        # Otherwise backward fails with an opaque dtype mismatch (bf16 dY against fp32 X and W).
-        raise RuntimeError(
-            f"'{handle.name}' is updated by FORGE inside backward, which does not support torch.autocast "
-            "(mixed precision over float32 weights). Train the model in bfloat16 instead: model.bfloat16() "
-            "(FORGE writes bf16 weights with stochastic rounding) without autocast; Hugging Face Trainer "
-            "users convert the model and leave TrainingArguments(bf16=False, fp16=False)."
-        )
-    if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward (checkpointing)
-        if handle.updated:
-            # Refuse before the next micro-batch's backward can apply a second update.
-            opt = handle.opt_ref()
-            if opt is not None and opt._backward_open:
-                raise RuntimeError(_interrupted_message(handle.name, *opt._updated_count()))
-            raise RuntimeError(_accumulation_message(handle.name) + " (This forward, with gradients enabled, "
-                               "came after backward and before optimizer.step().)")
-        handle.forward_uses += 1
-    return _ForgeLinearFn.apply(x, module.weight, module.bias, handle)
 
 
 # The param-group key of the hyperparameter values that initial values read, taken when the group is added.
@@ -414,7 +246,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             resolve_hypers(self.spec, self._group_hypers(group), caller="ForgeOptimizer")  # validate early
         self.state_dtype = state_dtype
         self.rounding = rounding
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self._param_index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         for p in self._param_index:
@@ -444,6 +276,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 f"parameter of dtype {p.dtype}: FORGE kernels update float32 or bfloat16 weights; "
                 "convert the model with model.float() or model.bfloat16()"
             )
+        if p.is_meta:
+            raise ValueError("parameter on the meta device has no data for FORGE to update: materialize the model "
+                             "first (model.to_empty(device=...) and initialize it, or load its weights)")
         if p.device.type != "cuda" and not launch.interpreting():
             raise ValueError(
                 f"parameter on {p.device}: FORGE kernels run on CUDA (model.cuda()), or on the CPU only in "

@@ -98,6 +98,18 @@ def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monke
     assert calls and set(calls) == {"slab_linear_step"}
 
 
+def test_model_compiled_runs_under_torch_compile(tmp_path, capsys, monkeypatch):
+    """--compile on: the model runs through torch.compile (its fused layers through FORGE's custom ops), and
+    the rows say so."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model, _c=torch.compile, **k: compiled.append(model) or _c(model, **k))
+    data = run_bench(tmp_path, capsys, "model", "--compile", "on", "--methods", "forge-bf16")
+    assert len(compiled) == 1
+    (row,) = data["rows"]
+    assert row["status"] == "ok" and row["compiled"] is True and row["step_ms"] > 0
+    assert data["settings"]["compile"] == [True]
+
+
 def test_model_smoke_inplace_loss(tmp_path, capsys):
     data = run_bench(tmp_path, capsys, "model", "--loss", "inplace", "--methods", "torch-adamw")
     (row,) = data["rows"]

@@ -242,7 +242,7 @@ def test_copies_of_a_fused_model_are_plain_models():
 
 
 def _is_dormant(module) -> bool:
-    from forge_dsl.optim import _is_dormant_forward
+    from forge_dsl.fused_linear import _is_dormant_forward
 
     return _is_dormant_forward(module, module.__dict__.get("forward"))
 
@@ -318,3 +318,29 @@ def test_a_refused_clipping_leaves_the_step_counters_consistent():
     assert all(int(opt.state[p]["step"]) == 1 for p in opt._handles)
     opt.step()
     assert all(int(s["step"]) == 1 for s in opt.state.values())
+
+
+# ----------------------------------------------------------------------------
+# Constructor arguments and odd layers
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_a_layer_without_outputs_trains_beside_the_others():
+    torch.manual_seed(0)
+    empty, layer = nn.Linear(64, 0).to(DEVICE), nn.Linear(64, 8).to(DEVICE)
+    opt = ForgeOptimizer(nn.ModuleList([empty, layer]), "adamw", lr=1e-2)
+    weight = layer.weight.detach().clone()
+    x = torch.randn(2, 64, device=DEVICE)
+    (layer(x).pow(2).mean() + empty(x).sum()).backward()
+    opt.step()
+    assert not torch.equal(layer.weight, weight) and empty.weight.shape == (0, 64)
+
+
+def test_seed_and_meta_parameters_are_refused_with_their_names():
+    with pytest.raises(TypeError, match="seed must be an integer, got str 'x'"):
+        ForgeOptimizer(make_mlp(), "adamw", seed="x")
+    with pytest.raises(ValueError, match="seed"):
+        ForgeOptimizer(make_mlp(), "adamw", seed=1.5)
+    with pytest.raises(ValueError, match="meta device.*materialize"):
+        ForgeOptimizer(nn.Linear(4, 4, device="meta"), "adamw")

@@ -41,6 +41,7 @@ import torch
 
 import forge_dsl
 
+from ..consumed_grad import ConsumedGrad
 from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
                      peak_memory_bytes, reset_peak_memory, synchronize)
 from .lean_loss import causal_lm_loss_inplace
@@ -194,6 +195,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--loss", choices=tuple(LOSSES), default="transformers",
                     help="transformers: model(..., labels=ids).loss; inplace: the same loss from fp32 chunks, "
                          "its gradient written into the bf16 logits (default: transformers)")
+    ap.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                    help="run the model under torch.compile (inductor, default mode; the warm-up steps compile "
+                         "it); default: off")
     ap.add_argument("--warmup", type=int, default=2, help="steps before measuring (default 2)")
     ap.add_argument("--steps", type=int, default=4, help="measured steps, median taken (default 4)")
 
@@ -222,6 +226,7 @@ def resolve_settings(args, device: torch.device) -> dict:
     checkpointing = args.checkpointing or ("off" if args.quick else "both")
     return {"models": models, "methods": methods, "batch": 1, "seq": seqs,
             "checkpointing": [False, True] if checkpointing == "both" else [checkpointing == "on"],
+            "compile": [False, True] if args.compile == "both" else [args.compile == "on"],
             "loss": args.loss, "warmup_steps": args.warmup, "measured_steps": args.steps, "lr": LR, "dtype": "bf16",
             "dims": {m: MODELS[m][1] for m in models}}
 
@@ -265,13 +270,15 @@ def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: 
     """Forward, backward, optimizer; returns the bytes of gradients materialized at the end of backward."""
     loss = LOSSES[loss_name](model, ids)
     loss.backward()
-    grad_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    # a fused weight's .grad after its update is a ConsumedGrad, which holds no memory
+    grad_bytes = sum(p.grad.nbytes for p in model.parameters()
+                     if p.grad is not None and not isinstance(p.grad, ConsumedGrad))
     finish()
     return grad_bytes
 
 
 def measure(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device,
-            settings: dict) -> dict:
+            settings: dict, compiled: bool = False) -> dict:
     """Build, warm up and time one (model, method, tokens, checkpointing) run; memory in bytes (None off CUDA)."""
     leftover = allocated_bytes(device)  # what an earlier run left behind (should be ~0)
     model = build_model(name, device)
@@ -281,7 +288,10 @@ def measure(name: str, method: Method, seq: int, checkpointing: bool, device: to
     allocated_with_weights = allocated_bytes(device)
     finish = method.attach(model)
     try:
-        grads, persistent, times = _run_steps(model, finish, seq, device, settings)
+        if compiled:
+            torch._dynamo.reset()  # each run compiles its own graphs
+        runner = torch.compile(model) if compiled else model
+        grads, persistent, times = _run_steps(runner, finish, seq, device, settings)
     finally:
         getattr(finish, "close", lambda: None)()
     timing = {"params": sum(p.numel() for p in model.parameters()), "step_ms": statistics.median(times),
@@ -298,7 +308,8 @@ def _run_steps(model, finish, seq: int, device: torch.device, settings: dict):
     """Warm-up steps, then timed steps from a reset memory peak: (gradient bytes, memory between steps,
     step times in ms)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=gen).to(device)
+    vocab = getattr(model, "_orig_mod", model).config.vocab_size
+    ids = torch.randint(0, vocab, (1, seq), generator=gen).to(device)
     grads = 0
     for _ in range(settings["warmup_steps"]):
         grads = train_step(model, ids, finish, settings["loss"])
@@ -315,14 +326,15 @@ def _run_steps(model, finish, seq: int, device: torch.device, settings: dict):
     return grads, persistent, times
 
 
-def run_one(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device, settings: dict) -> dict:
+def run_one(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device, settings: dict,
+            compiled: bool = False) -> dict:
     """One row; a missing package, an OOM or another failure is a result (the remaining runs still run)."""
     row = {"model": name, "method": method.name, "loss": settings["loss"], "batch": 1, "seq": seq, "tokens": seq,
-           "checkpointing": checkpointing, "status": "ok"}
+           "checkpointing": checkpointing, "compiled": compiled, "status": "ok"}
     if method.needs and importlib.util.find_spec(method.needs) is None:
         return {**row, "status": "not installed"}
     try:
-        m = measure(name, method, seq, checkpointing, device, settings)
+        m = measure(name, method, seq, checkpointing, device, settings, compiled)
     except Exception as err:  # the caller frees memory once the traceback is gone
         if is_oom(err):
             # what was allocated when it failed, and the allocator's own account of what was over
@@ -346,12 +358,12 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
     settings = resolve_settings(args, device)
     results = Results("model", argv, args.out, args.quick, device, settings)
     grid = list(itertools.product(settings["models"], settings["seq"], settings["checkpointing"],
-                                  settings["methods"]))
+                                  settings.get("compile", [False]), settings["methods"]))
     progress = Progress(len(grid))
-    for name, seq, ckpt, method_name in grid:
-        label = f"{name} 1x{seq} ckpt {'on' if ckpt else 'off'} {method_name}"
+    for name, seq, ckpt, compiled, method_name in grid:
+        label = f"{name} 1x{seq} ckpt {'on' if ckpt else 'off'}{' compiled' if compiled else ''} {method_name}"
         progress.show(label)
-        results.add(run_one(name, ALL_METHODS[method_name], seq, ckpt, device, settings))
+        results.add(run_one(name, ALL_METHODS[method_name], seq, ckpt, device, settings, compiled))
         free_memory(device)
         progress.advance(label)
     progress.close()
@@ -365,9 +377,10 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
 
 
 def table(rows: list[dict]) -> str:
-    headers = ["model", "tokens", "ckpt", "method", "loss", "status", "peak GiB", "step ms", "tokens/s",
+    headers = ["model", "tokens", "ckpt", "compiled", "method", "loss", "status", "peak GiB", "step ms", "tokens/s",
                "weights GiB", "opt state GiB", "grads GiB", "rest GiB"]
-    body = [[r["model"], f"1×{r['seq']}", "on" if r["checkpointing"] else "off", r["method"],
+    body = [[r["model"], f"1×{r['seq']}", "on" if r["checkpointing"] else "off",
+             "yes" if r.get("compiled") else "no", r["method"],
              r.get("loss", "transformers"),  # records from before v3 have no --loss
              r["status"], r.get("peak_gib"), r.get("step_ms"), r.get("tokens_per_s"), r.get("weights_gib"),
              r.get("optimizer_state_gib"), r.get("gradients_gib"), r.get("rest_gib")] for r in rows]

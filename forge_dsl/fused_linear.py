@@ -1,0 +1,303 @@
+"""A fused nn.Linear: the forward that runs FORGE's update inside backward, and its bookkeeping.
+
+    module.forward = _FusedForward(module, handle)       installed by ForgeOptimizer (forge_dsl/optim.py)
+    y = fused_forward(module, handle, x)                  y = x Wᵀ + b [..., N]; backward: ΔX [..., K] with the
+                                                           old W [N, K], then the fused update of W and its state
+
+Two entry points reach the same code (`_FusedHandle.note_forward`, `_FusedHandle.consume`):
+
+* eager: `_ForgeLinearFn`, an autograd.Function (the fewest host µs per call);
+* under `torch.compile` (`torch.compiler.is_compiling()`): the torch custom ops `forge_dsl::linear` and
+  `forge_dsl::linear_backward`, whose registered autograd calls the second from the first's backward. Both
+  are opaque to the compiler, so a compiled model has no graph break from FORGE (`fullgraph=True` works)
+  and computes what eager computes. A layer's handle reaches them as an int (`_HANDLES`).
+
+The backward path of a layer that is not fused this step (called several times in one forward, or whose
+optimizer is gone) hands its dW to autograd in eager mode, and under compile adds it to `weight.grad`
+itself (the ops' signature is static), as autograd would.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad, consumed_grad
+
+__all__ = ["fused_forward", "fusion_refusal"]
+
+
+_MISSING = object()
+
+
+def _is_dormant_forward(module: torch.nn.Module, forward: Any) -> bool:
+    """Whether `forward` (an instance attribute) is what a copy of a fused module holds: nn.Linear's own forward
+    bound to the module (`_FusedForward.__reduce__`)."""
+    return (isinstance(forward, functools.partial) and forward.func is torch.nn.Linear.forward
+            and len(forward.args) == 1 and forward.args[0] is module and not forward.keywords)
+
+
+class _FusedForward:
+    """The instance-level `forward` of a fused nn.Linear: the FORGE path while its optimizer lives, nn.Linear's
+    own forward after (the module is then given back what it had). A copy (deepcopy, pickle, `torch.save`)
+    is nn.Linear's own forward bound to the copied module: a copied model is a plain model."""
+
+    __slots__ = ("module_ref", "handle", "previous", "__weakref__")
+
+    def __init__(self, module: torch.nn.Linear, handle: "_FusedHandle") -> None:
+        self.module_ref = weakref.ref(module)
+        self.handle = handle
+        self.previous = module.__dict__.get("forward", _MISSING)  # a copy's dormant forward, or nothing
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        module = self.module_ref()
+        if self.handle.opt_ref() is None:  # its optimizer is gone: nn.Linear again
+            self.restore()
+            return torch.nn.Linear.forward(module, input)
+        return fused_forward(module, self.handle, input)
+
+    def restore(self) -> None:
+        """Give the module back the forward it had before it was fused."""
+        module = self.module_ref()
+        if module is not None and module.__dict__.get("forward") is self:
+            if self.previous is _MISSING:
+                del module.forward
+            else:
+                module.forward = self.previous
+
+    def __reduce__(self):
+        return functools.partial, (torch.nn.Linear.forward, self.module_ref())
+
+
+def _fused_forward_of(module: torch.nn.Module) -> Optional[_FusedForward]:
+    forward = module.__dict__.get("forward")
+    return forward if isinstance(forward, _FusedForward) else None
+
+
+def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
+    """Why FORGE does not fuse this module's weight (None: it does, if the weight is trained and not shared).
+
+    Only an nn.Linear whose forward is nn.Linear's own is fused: a subclass with its own forward
+    (`torch.ao.nn.qat.Linear`'s fake quantization, a scaled output) or a forward replaced on the instance (by
+    a hook library) would silently lose what it does. nn.MultiheadAttention reads its out_proj's weight
+    directly, never through out_proj's forward."""
+    if not isinstance(module, torch.nn.Linear):
+        return "not an nn.Linear"
+    if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return "read directly by nn.MultiheadAttention"
+    if type(module).forward is not torch.nn.Linear.forward:
+        return f"{type(module).__qualname__} has its own forward, which FORGE does not replace"
+    forward = module.__dict__.get("forward", _MISSING)
+    if forward is not _MISSING and not isinstance(forward, _FusedForward) and not _is_dormant_forward(module, forward):
+        return "its forward was replaced on the instance (e.g. by a hook library), which FORGE does not replace"
+    return None
+
+
+def _restore_forwards(forwards: list) -> None:
+    for forward in forwards:
+        forward.restore()
+
+
+class _ForgeLinearFn(torch.autograd.Function):
+    """y = x Wᵀ + b.  Backward: ΔX with the old W, then the fused update of W (or dW, when unfused)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, handle):
+        ctx.save_for_backward(x)
+        ctx.handle = handle
+        ctx.weight = weight  # not saved through autograd: it is updated in place in backward
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # the old weight, before the update
+        dbias = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dweight = ctx.handle.consume(x, dy)  # after ΔX: the update overwrites the weight
+        return dx, dweight, dbias, None
+
+
+class _FusedHandle:
+    """Bookkeeping of one fused Linear weight: uses in this step, and the update call. `opt` is the
+    ForgeOptimizer (`_fused_update`, `_backward_open`, `_updated_count`), held weakly."""
+
+    def __init__(self, opt, module: torch.nn.Linear, name: str) -> None:
+        self.id = next(_HANDLE_IDS)
+        _HANDLES[self.id] = self
+        self.opt_ref = weakref.ref(opt)
+        self.module_ref = weakref.ref(module)
+        self.weight_ref = weakref.ref(module.weight)
+        self.name = name
+        self.forward_uses = 0  # calls with grad in this step (recomputation inside backward excluded)
+        self.updated = False  # the fused update of this step has run
+        self.shared = False  # the last backward found it called several times in one step: stepped unfused
+
+    def note_forward(self) -> None:
+        """A forward with gradients through this layer (recomputation inside backward, by checkpointing,
+        excluded): counted, or refused where this step's update already ran."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if self.updated:
+            # Refuse before the next micro-batch's backward can apply a second update.
+            opt = self.opt_ref()
+            if opt is not None and opt._backward_open:
+                raise RuntimeError(_interrupted_message(self.name, *opt._updated_count()))
+            raise RuntimeError(_accumulation_message(self.name) + " (This forward, with gradients enabled, "
+                               "came after backward and before optimizer.step().)")
+        self.forward_uses += 1
+
+    def consume(self, x: torch.Tensor, dy: torch.Tensor) -> Optional[torch.Tensor]:
+        """In backward: the fused update of this layer's weight from x [..., K] and dy [..., N] (None), or, where
+        it is not fused this step, its dW [N, K] for autograd."""
+        opt = self.opt_ref()
+        if opt is None:
+            raise RuntimeError(f"the ForgeOptimizer of '{self.name}' no longer exists")
+        if self.updated:
+            raise RuntimeError(_accumulation_message(self.name))
+        # Decided per step: a layer called several times in this forward (a shared layer, or a stray forward
+        # with grad enabled since the last step) hands each use's dW to autograd, summed into .grad.
+        weight = self.weight_ref()
+        self.shared = self.forward_uses > 1
+        if isinstance(weight.grad, ConsumedGrad):  # a step's placeholder left by a loop without zero_grad()
+            weight.grad = None
+        if self.shared:
+            return _dw(x, dy, weight)
+        if weight.grad is not None:  # refused before the update: a gradient from another use came first
+            raise RuntimeError(f"'{self.name}': " + OUTSIDE_USE_MESSAGE)
+        opt._fused_update(weight, x, dy)
+        self.updated = True
+        # what reads .grad from now on (clipping, however imported) learns that it was consumed here
+        weight.grad = consumed_grad(weight, self.name)
+        return None
+
+
+def _interrupted_message(name: str, updated: int, fused: int) -> str:
+    return (
+        f"'{name}' was already updated in this step: the last backward was interrupted (an exception inside "
+        f"backward) after FORGE had applied the update of {updated} of the {fused} fused layers, which keep it "
+        f"(their step counters moved). Call optimizer.step() to close the step (it steps no parameter from the "
+        f"incomplete gradients that backward left) and optimizer.zero_grad(), then run the batch again."
+    )
+
+
+def _accumulation_message(name: str) -> str:
+    return (
+        f"'{name}' received a second gradient before optimizer.step(): FORGE already applied this step's "
+        f"update inside the first backward, so gradient accumulation over micro-batches (or a second "
+        f"backward through the same graph, or a layer called twice inside a reentrant checkpoint) cannot be "
+        f"exact. Call optimizer.step() after every backward, or use a larger batch instead of accumulation."
+    )
+
+
+def fused_forward(module: torch.nn.Linear, handle: _FusedHandle, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a fused Linear: x [..., K] -> x Wᵀ + b [..., N]."""
+    if not (torch.is_grad_enabled() and module.weight.requires_grad):
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    if torch.is_autocast_enabled(x.device.type):
+        # Otherwise backward fails with an opaque dtype mismatch (bf16 dY against fp32 X and W).
+        raise RuntimeError(
+            f"'{handle.name}' is updated by FORGE inside backward, which does not support torch.autocast "
+            "(mixed precision over float32 weights). Train the model in bfloat16 instead: model.bfloat16() "
+            "(FORGE writes bf16 weights with stochastic rounding) without autocast; Hugging Face Trainer "
+            "users convert the model and leave TrainingArguments(bf16=False, fp16=False)."
+        )
+    if torch.compiler.is_compiling():
+        return torch.ops.forge_dsl.linear(x, module.weight, module.bias, handle.id)
+    handle.note_forward()
+    return _ForgeLinearFn.apply(x, module.weight, module.bias, handle)
+
+
+# ----------------------------------------------------------------------------
+# The custom ops, for torch.compile
+# ----------------------------------------------------------------------------
+
+_HANDLE_IDS = itertools.count(1)
+_HANDLES: "weakref.WeakValueDictionary[int, _FusedHandle]" = weakref.WeakValueDictionary()
+
+
+# Both ops run host code every call (the forward counts uses; the backward computes the step's host scalars,
+# which change every step, and launches the update): a CUDA graph must never capture them, so inductor runs
+# them outside its CUDA graphs (mode="reduce-overhead").
+_HOST_OPS = (torch.Tag.cudagraph_unsafe,)
+
+
+@torch.library.custom_op("forge_dsl::linear", mutates_args=(), tags=_HOST_OPS)
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], handle: int) -> torch.Tensor:
+    """x [..., K] -> x Wᵀ + b [..., N], counted as a forward through the fused layer `handle`."""
+    fused = _HANDLES.get(handle)
+    if fused is not None:
+        fused.note_forward()
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias, handle):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("forge_dsl::linear_backward", mutates_args=(), tags=_HOST_OPS)
+def _linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, handle: int,
+                        needs_dx: bool) -> torch.Tensor:
+    """ΔX = dy [..., N] · W [N, K] with the old weight (empty unless `needs_dx`), then the update of W in place
+    (or its dW added to the parameter's `.grad`, where the layer is not fused this step).
+
+    It is registered as an ordered side effect (`_register_effectful_op`), which keeps it in the graph,
+    in order, when ΔX is not needed; it declares no mutation of the weight, which the compiler would
+    check against the version of every saved copy of the weight (a layer called twice saves it twice,
+    and is then stepped from `.grad`, never updated). No node of the backward graph reads the weight after
+    this op: the layer's own backward is its last use."""
+    dx = dy.matmul(weight) if needs_dx else dy.new_empty(0)
+    fused = _HANDLES.get(handle)
+    if fused is None or fused.weight_ref() is None:
+        raise RuntimeError("a compiled graph calls a fused Linear whose ForgeOptimizer no longer exists; "
+                           "call torch._dynamo.reset() (or compile the model again) after detaching or "
+                           "dropping the optimizer")
+    dw = fused.consume(x, dy)
+    if dw is not None:  # not fused this step: autograd's dW, into the parameter's .grad
+        param = fused.weight_ref()
+        with torch.no_grad():
+            if param.grad is None:
+                param.grad = dw
+            else:
+                param.grad += dw
+    return dx
+
+
+@_linear_backward_op.register_fake
+def _(dy, x, weight, handle, needs_dx):
+    return dy.new_empty(*dy.shape[:-1], weight.shape[1]) if needs_dx else dy.new_empty(0)
+
+
+def _dw(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _rows(dy).t().matmul(_rows(x)).to(weight.dtype)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., C] as [tokens, C]; C may be 0 (a Linear without outputs), where reshape(-1, C) cannot infer."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, handle = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.handle = handle
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx = torch.ops.forge_dsl.linear_backward(dy, x, weight, ctx.handle, ctx.needs_input_grad[0])
+    dbias = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return (dx if ctx.needs_input_grad[0] else None), None, dbias, None
+
+
+_linear_op.register_autograd(_backward, setup_context=_setup_context)
+_register_effectful_op(torch.ops.forge_dsl.linear_backward.default, _EffectType.ORDERED)
