@@ -139,6 +139,9 @@ class _FusedHandle:
         self.forward_uses = 0  # calls with grad in this step (recomputation inside backward excluded)
         self.updated = False  # the fused update of this step has run
         self.shared = False  # the last backward found it called several times in one step: stepped unfused
+        # the last step() found a gradient of it that its module's forward never saw (the weight read directly,
+        # e.g. by Liger-Kernel's fused linear cross-entropy): stepped from .grad
+        self.bypassed = False
 
     def note_forward(self) -> None:
         """A forward with gradients through this layer (recomputation inside backward, by checkpointing,
@@ -166,6 +169,7 @@ class _FusedHandle:
         # with grad enabled since the last step) hands each use's dW to autograd, summed into .grad.
         weight = self.weight_ref()
         self.shared = self.forward_uses > 1
+        self.bypassed = False
         if isinstance(weight.grad, ConsumedGrad):  # a step's placeholder left by a loop without zero_grad()
             weight.grad = None
         if self.shared:

@@ -406,6 +406,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     continue  # its step counter moved with its update
                 if p.grad is None or isinstance(p.grad, ConsumedGrad):
                     continue
+                if handle is not None:  # fused, but not through its module's forward this step
+                    handle.bypassed = not handle.shared
                 if p.grad.is_sparse:
                     raise ValueError("sparse gradients are not supported (nn.Embedding(sparse=True))")
                 state = self._state_for(p, group, hypers)
@@ -444,11 +446,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         held = checkpoint.held_layouts(self.spec, self.state.values())
         if held is not None:
             lines.append(f"  state held: {held}")
-        fused = [h.name for h in self._handles.values() if not h.shared]
+        fused = [h.name for h in self._handles.values() if not h.shared and not h.bypassed]
         shared = [h.name for h in self._handles.values() if h.shared]
+        bypassed = [h.name for h in self._handles.values() if h.bypassed]
         lines.append(f"  fused in backward ({len(fused)}): " + (", ".join(fused) or "none"))
         if shared:
             lines.append(f"  unfused, used several times in the last step ({len(shared)}): " + ", ".join(shared))
+        if bypassed:
+            lines.append(f"  unfused, its weight read outside its module's forward in the last step (e.g. by a fused "
+                         f"linear cross-entropy), stepped from .grad ({len(bypassed)}): " + ", ".join(bypassed))
         for p, why in self._unfused_reason.items():
             lines.append(f"  unfused, {why}: {self._names.get(p, '?')}")
         rest = [self._names.get(p, "?") for p in self._param_index if p not in self._handles and p not in

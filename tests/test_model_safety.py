@@ -344,3 +344,27 @@ def test_seed_and_meta_parameters_are_refused_with_their_names():
         ForgeOptimizer(make_mlp(), "adamw", seed=1.5)
     with pytest.raises(ValueError, match="meta device.*materialize"):
         ForgeOptimizer(nn.Linear(4, 4, device="meta"), "adamw")
+
+
+class HeadReadDirectly(MLP):
+    """The last layer's weight read by F.linear, never through its module's forward: what Liger-Kernel's fused
+    linear cross-entropy does with lm_head."""
+
+    def forward(self, x):
+        h = self.norm(nn.functional.gelu(self.mid(torch.tanh(self.up(x)))))
+        return nn.functional.linear(h, self.down.weight, self.down.bias)
+
+
+def test_describe_tells_a_weight_read_outside_its_module_from_a_fused_one():
+    make = lambda seed=0: make_mlp(seed, cls=HeadReadDirectly)  # noqa: E731
+    ours = make()
+    theirs = twin(ours, make)
+    opt = ForgeOptimizer(ours, "adamw", **HYPERS["adamw"])
+    ref = torch.optim.AdamW(theirs.parameters(), **HYPERS["adamw"])
+    batches = mlp_batches(2)
+    train(ours, opt, batches, mlp_loss)
+    train(theirs, ref, batches, mlp_loss)
+    assert_params_close(ours, theirs)
+    text = opt.describe()
+    assert "fused in backward (2): up.weight, mid.weight" in text
+    assert "read outside its module's forward" in text and "down.weight" in text.split("read outside")[1]
