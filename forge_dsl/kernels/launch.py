@@ -164,39 +164,22 @@ def interpreting() -> bool:
 def fused_config(T: int, N: int, K: int, device: torch.device, quantized: bool = False,
                  activations: torch.dtype = torch.bfloat16, warp_specialize: bool = True,
                  hopper: Optional[bool] = None, stored_bytes: int = 6) -> TileConfig:
-    """Tiles for the fused kernel: large in the interpreter (few programs), H200-measured on CUDA.
+    """Tiles for the fused kernel: large in the interpreter (few programs), measured on the H200 on CUDA.
 
-    On Hopper (sm_90) with Gluon, for bf16 activations and layers of 2^22 elements and more (at least 256
-    tiles of 128×128 for 132 SMs): the warp-specialized kernel (docs/PERF.md, v7: its epilogue overlaps the
-    next tile's token loop; faster than the Triton kernel on every Llama-3.1-8B shape and token count
-    measured, level at 8192 tokens on k/v; v9: with int8 state 5–39 % less time), 128×128 tiles, a
-    `WS_STAGES`-buffer TMA ring, 8 MMA warps and 8 epilogue warps working on 32-row slices.
-    `warp_specialize=False` leaves it out (activations a TMA descriptor cannot read).
+    The rules, in the order the code applies them (why each holds: docs/PERF.md, the entry named):
+    * float32 activations: 64×64 tiles with plain loads (v2; their blocks take twice the shared memory).
+    * Hopper with Gluon, bf16 activations a TMA descriptor can read (`warp_specialize`), layers of at least
+      `WS_MIN_ELEMENTS`: the warp-specialized kernel (v7, v9): 128×128 tiles, a `WS_STAGES`-buffer TMA ring
+      (v12e, v13a), 8 MMA and 8 epilogue warps on 32-row slices; its epilogue prefetches the next slice
+      where weights and state take at most `WS_PREFETCH_MAX_BYTES` per element (`stored_bytes`) and the
+      state is not quantized (v7, v9); up to `WS_MMA_SLICE_MAX_TOKENS` tokens, with the prefetch or int8
+      state, the MMA warps update one of each tile's four slices themselves (v8, v9).
+    * int8 / uint8 state (`quantized`): up to 4096 tokens 128×64 tiles, 8 warps capped at 128 registers,
+      TMA (v5); above, 128×128 tiles (v3).
+    * up to 512 tokens on layers of 2^24 elements and more, and up to 1024 tokens under 2^22 elements:
+      64×64 tiles (v2, v5).
+    * otherwise 128×128 tiles with a quarter-slice epilogue capped at 128 registers, TMA (v2 to v4).
     `hopper`: whether `device` is such a GPU (default: ask it; pass True to plan for one from anywhere).
-    Up to `WS_MMA_SLICE_MAX_TOKENS` tokens, where a tile's token loop is much shorter than its update, with
-    the prefetching epilogue or int8 state (as measured), the MMA warps update the last of each tile's four
-    row slices themselves, the epilogue warps the other three (docs/PERF.md, v8: AdamW with bf16 state
-    0.7-4.4 % faster at 512 tokens on the Llama-3.1-8B layers, slower from 1024; v9: int8 state 10–12 %).
-    Its epilogue prefetches the next slice's weights and state when they take at most
-    `WS_PREFETCH_MAX_BYTES` bytes per element (`stored_bytes`, e.g. 6 for bf16 weights and two bf16
-    states): 11–15 % faster at 512 tokens with AdamW's bf16 state; with two fp32 states the prefetched
-    registers spill and it is 13–27 % slower (v7); with int8 state they spill too, 3–15 % slower (v9).
-
-    Otherwise, from bench/anatomy.py and bench/sweep_tiles.py on the H200 (docs/PERF.md, v2 to v4), for bf16
-    activations and fp32 / bf16 state:
-    * 128×128 tiles whose epilogue runs on quarter-width slices split from the accumulator in
-      registers, capped at 128 registers per thread so two programs share an SM (one's epilogue
-      overlaps the other's token loop); activations through TMA;
-    * except up to 512 tokens on layers of 2^24 elements and more, where 64×64 tiles (three
-      programs per SM, each epilogue a quarter of the size) measured faster (at 1024 tokens they
-      were 7–12 % slower: v5), and up to 1024 tokens on layers under 2^22 elements (fewer than 256
-      tiles of 128×128: idle SMs), which keep v2's 64×64 tiles.
-    int8 state (`quantized`), other GPUs: up to 4096 tokens 128×64 tiles, 8 warps capped at 128 registers
-    (two programs per SM, a few words spilled), activations through TMA (v5: 6–25 % faster than
-    v2's 64×64 tiles on every Llama-3.1-8B shape measured); v3's whole 128×128 tiles above (the
-    epilogue's slices must hold whole 64-element scale blocks, so quarters do not apply).
-    float32 activations keep 64×64 tiles with plain loads (v2's measured config): their blocks take
-    twice the shared memory.
     """
     if device.type != "cuda":
         return TileConfig(block_t=64, block_n=64, block_k=64, group_n=8, num_warps=4, num_stages=1)
@@ -701,19 +684,11 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
                 config: Optional[TileConfig] = None, slab_bytes: Optional[int] = None, **kwargs: Any) -> None:
     """`fused_linear_step` or `slab_linear_step`, whichever is faster for this layer on this device.
 
-    path "auto": the slab path for bf16 activations on CUDA from `SLAB_MIN_TOKENS` tokens and layers
-    of `SLAB_MIN_ELEMENTS`, where cuBLAS's GEMM beats the Triton fused kernel's token loop by more than
-    the slab's extra dW traffic (an L2-resident 16 MiB slab; docs/PERF.md, v3), except on Hopper GPUs
-    with Gluon, whose warp-specialized fused kernel is level or faster (v7); with int8 state from
-    `SLAB_MIN_TOKENS_QUANTIZED` tokens on every layer, where the Triton fused kernel's heavier epilogue
-    loses (v5), and where the warp-specialized kernel runs (Hopper, TMA-readable activations, layers of
-    `WS_MIN_ELEMENTS`) up to `SLAB_MAX_TOKENS_QUANTIZED_WS` tokens instead where its launches are not reused
-    (v9, v14: see `auto_linear_path`);
-    the fused kernel otherwise. The slab's dW is rounded to bf16, as autograd's is, and float32 products
-    there follow torch's matmul precision instead of `tf32`; the fused kernel keeps dW in fp32. "fused" /
-    "slab" force one. `config` goes to the fused kernel, `slab_bytes` to the slab path (default: by state
-    layout, see `slab_linear_step`); other arguments as for `fused_linear_step`, whose reused launches
-    skip the path decision too.
+    path "auto": what `auto_linear_path` decides for these arguments; "fused" / "slab" force one. The slab's
+    dW is rounded to bf16, as autograd's is, and float32 products there follow torch's matmul precision
+    instead of `tf32`; the fused kernel keeps dW in fp32. `config` goes to the fused kernel, `slab_bytes` to
+    the slab path (default: by state layout, see `slab_linear_step`); other arguments as for
+    `fused_linear_step`, whose reused launches skip the path decision too.
     """
     if path not in LINEAR_PATHS:
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
@@ -745,18 +720,16 @@ def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: tor
                      quantized: bool = False, hopper: Optional[bool] = None, tma: bool = True,
                      reused: Optional[bool] = None) -> str:
     """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`,
-    a weight of `elements` elements and int8 / uint8 state (`quantized`) or not. `hopper`: whether the
-    device runs the warp-specialized fused kernel (default: ask it), which is level with the slab path or
-    faster at 8192 tokens on every Llama-3.1-8B layer but lm_head (3 % slower; docs/PERF.md, v7), so
-    fp32 / bf16 state stays on the fused kernel there when the activations can be read through TMA (`tma`).
-    int8 state takes it above `SLAB_MAX_TOKENS_QUANTIZED_WS` tokens on layers where it runs, and the slab
-    path up to there (v9, Llama-3.1-8B: at 512 tokens the slab path takes 6–10 % less GPU time per layer and
-    its steps are 5 % faster, in two runs; at 1024 it still takes 7–14 % less GPU time, but the fused
-    kernel's steps were 25 % faster in one run, with a launch per layer instead of a cuBLAS GEMM and a step
-    kernel per slab; at 2048 they are level in GPU time and the fused kernel's steps 6 % faster) — unless
-    its launches are reused (`reused`, default: `prepared.supported()`), which takes it at every token count
-    (v14: Llama-3.1-8B steps at 1 × 512 tokens 25–32 % faster than with the slab path, in two runs: the
-    host, not the GPU, sets a step's time there, and a reused launch costs a third of a checked one)."""
+    a weight of `elements` elements and int8 / uint8 state (`quantized`) or not; `hopper`: whether the device
+    runs the warp-specialized fused kernel (default: ask it), `tma`: whether the activations can be read
+    through TMA, `reused`: whether its launches are reused (default: `prepared.supported()`).
+
+    The rules (why each holds: docs/PERF.md, the entry named): the fused kernel off CUDA and for float32
+    activations; with quantized state where the warp-specialized kernel runs, the slab path up to
+    `SLAB_MAX_TOKENS_QUANTIZED_WS` tokens unless launches are reused, else the fused kernel (v9, v14); with
+    quantized state elsewhere, the slab path from `SLAB_MIN_TOKENS_QUANTIZED` tokens (v5); otherwise the
+    fused kernel where the warp-specialized one runs (v7), and the slab path from `SLAB_MIN_TOKENS` tokens
+    on layers of `SLAB_MIN_ELEMENTS` (v3)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return "fused"
     if hopper is None:
