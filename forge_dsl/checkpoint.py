@@ -36,7 +36,7 @@ import torch
 from . import ir
 from .api import state_layout
 from .config import check_seed, resolve_hypers
-from .layouts import StateLayout, n_blocks, resolve_layout, rows_cols, storage_dtype
+from .layouts import StateLayout, is_quantized, layout_of_dtype, n_blocks, resolve_layout, rows_cols, storage_dtype
 from .printer import print_spec
 from .reference import initial_values
 
@@ -53,8 +53,6 @@ _LAYOUT_WORDS = {
     StateLayout.INT8: "int8",
     StateLayout.UINT8_SQRT: "uint8 (sqrt map)",
 }
-_LAYOUT_OF_DTYPE = {storage_dtype(layout): layout for layout in StateLayout}
-_QUANTIZED = (StateLayout.INT8, StateLayout.UINT8_SQRT)
 
 
 def spec_digest(spec: ir.Spec) -> str:
@@ -252,7 +250,7 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
                              "another order")
         out[s.name] = t.to(p.device, copy=True)
         expected.add(s.name)
-        if layout in _QUANTIZED:
+        if is_quantized(layout):
             if scale_name not in values:
                 raise ValueError(f"state_dict's int8 '{s.name}' of {label} has no '{scale_name}' (its block scales): "
                                  "the codes cannot be read without them")
@@ -292,7 +290,7 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
 
 
 def _storage_words(layout: StateLayout, scale_name: str, rows: int, cols: int) -> str:
-    if layout in _QUANTIZED:
+    if is_quantized(layout):
         codes = "int8 codes" if layout == StateLayout.INT8 else "uint8 codes (the sqrt map of a nonneg state)"
         return f"{codes} with a float32 '{scale_name}' of shape ({rows}, {n_blocks(cols)})"
     return str(storage_dtype(layout))
@@ -328,7 +326,7 @@ def held_layouts(spec: ir.Spec, states: Iterable[Mapping[str, Any]]) -> Optional
         for s in spec.states:
             t = state.get(s.name)
             if isinstance(t, torch.Tensor):
-                word = _LAYOUT_WORDS.get(_LAYOUT_OF_DTYPE.get(t.dtype), str(t.dtype))
+                word = _LAYOUT_WORDS.get(layout_of_dtype(t.dtype), str(t.dtype))
                 counts[s.name][word] = counts[s.name].get(word, 0) + 1
     counts = {name: c for name, c in counts.items() if c}
     if not counts:

@@ -182,6 +182,25 @@ def storage_dtype(layout) -> torch.dtype:
     return _STORAGE_DTYPES[StateLayout(layout)]
 
 
+_LAYOUT_OF_DTYPE = {dtype: layout for layout, dtype in _STORAGE_DTYPES.items()}
+QUANTIZED_LAYOUTS = frozenset({StateLayout.INT8, StateLayout.UINT8_SQRT})  # codes plus per-block fp32 scales
+
+
+def layout_of_dtype(dtype: torch.dtype) -> Optional[StateLayout]:
+    """The layout a state tensor of this storage dtype holds (None: no layout stores it)."""
+    return _LAYOUT_OF_DTYPE.get(dtype)
+
+
+def is_quantized(layout) -> bool:
+    """Whether a layout (or layout code) stores block-quantized codes beside a `<name>.scale` tensor."""
+    return layout in QUANTIZED_LAYOUTS
+
+
+def holds_codes(t: Tensor) -> bool:
+    """Whether a state tensor holds block-quantized codes (int8 or uint8 storage; its scales sit beside it)."""
+    return is_quantized(_LAYOUT_OF_DTYPE.get(t.dtype))
+
+
 def bf16_round_nearest_bits(x: Tensor) -> Tensor:
     """fp32 → bf16 bit patterns (int16), round to nearest even, on integer bits.
 

@@ -32,7 +32,8 @@ import torch
 
 from ..api import SpecLike, load_spec
 from ..layouts import BLOCK, as_rows, n_blocks
-from .launch import _QUANTIZED, _LAYOUT_OF_DTYPE, step as elementwise_step
+from ..layouts import holds_codes
+from .launch import step as elementwise_step
 
 __all__ = ["FOREACH_MAX_ELEMENTS", "foreach_step", "shared_launch_key"]
 
@@ -66,7 +67,7 @@ def shared_launch_key(spec: SpecLike, param: torch.Tensor, grad: torch.Tensor,
     if not param.is_contiguous():
         return None
     names = _state_tensors(spec, state)
-    quantized = any(_LAYOUT_OF_DTYPE.get(state[n].dtype) in _QUANTIZED for n in names if not n.endswith(".scale"))
+    quantized = any(holds_codes(state[n]) for n in names if not n.endswith(".scale"))
     if quantized and as_rows(param).shape[1] % BLOCK:
         return None
     scalars = tuple(float(state[s.name]) for s in spec.scalars if s.name in state)

@@ -26,19 +26,12 @@ import torch
 
 from ..api import SpecLike, load_spec
 from ..config import check_seed, check_step, resolve_hypers
-from ..layouts import BLOCK, StateLayout, as_rows, n_blocks
+from ..layouts import BLOCK, StateLayout, as_rows, holds_codes, is_quantized, layout_of_dtype, n_blocks, storage_dtype
 from . import prepared
 from .compiled import compiled_module
 
 __all__ = ["fused_linear_step", "slab_linear_step", "linear_step", "step", "TileConfig", "mix_seed"]
 
-_LAYOUT_OF_DTYPE = {
-    torch.float32: StateLayout.FP32,
-    torch.bfloat16: StateLayout.BF16,
-    torch.int8: StateLayout.INT8,
-    torch.uint8: StateLayout.UINT8_SQRT,
-}
-_QUANTIZED = (StateLayout.INT8, StateLayout.UINT8_SQRT)  # block-quantized layouts: codes plus per-block scales
 _ROUNDINGS = ("stochastic", "nearest")
 DEFAULT_SEED = 0  # fused_linear_step's defaults, which linear_step's reused launches apply too
 DEFAULT_ROUNDING = "stochastic"
@@ -211,12 +204,11 @@ WS_STAGES = 5
 WS_MIN_ELEMENTS = 2**22  # the warp-specialized kernel from here: 256 tiles of 128×128 for 132 SMs (see fused_config)
 WS_PREFETCH_MAX_BYTES = 6  # the warp-specialized epilogue's prefetch fits its registers up to this (see fused_config)
 WS_MMA_SLICE_MAX_TOKENS = 512  # up to this T, the warp-specialized kernel's MMA warps update a slice of each tile
-_STORED_BYTES = {StateLayout.FP32: 4, StateLayout.BF16: 2, StateLayout.INT8: 1, StateLayout.UINT8_SQRT: 1}
 
 
 def stored_bytes(w_bf16: bool, layouts: tuple[int, ...]) -> int:
     """Bytes per element of a weight (bf16 or fp32) and its states (their layout codes)."""
-    return (2 if w_bf16 else 4) + sum(_STORED_BYTES[StateLayout(code)] for code in layouts)
+    return (2 if w_bf16 else 4) + sum(storage_dtype(code).itemsize for code in layouts)
 
 
 def _hopper_with_gluon(device: torch.device) -> bool:
@@ -332,14 +324,14 @@ def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torc
             raise ValueError(f"state '{name}' is on {t.device} but the parameter is on {weight.device}")
         if not t.is_contiguous():
             raise ValueError(f"state '{name}' must be contiguous")
-        layout = _LAYOUT_OF_DTYPE.get(t.dtype)
+        layout = layout_of_dtype(t.dtype)
         if layout is None:
             raise ValueError(f"state '{name}' has dtype {t.dtype}; expected float32, bfloat16, int8 or uint8")
         if layout != StateLayout.FP32 and name in _exact_states(spec):
             raise ValueError(f"state '{name}' of {spec.name} must stay exact (see forge_dsl.api.state_layout) but is "
                              f"stored as {t.dtype}; create it with forge_dsl.init_state, which keeps it float32")
         scale = state.get(f"{name}.scale")
-        if layout in _QUANTIZED:
+        if is_quantized(layout):
             rows, cols = as_rows(weight).shape
             if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (rows, n_blocks(cols)):
                 raise ValueError(
@@ -355,9 +347,9 @@ def _prepare_state(spec, names: tuple[str, ...], state: MutableMapping[str, torc
     return StateArgs(tuple(storages), tuple(scales), tuple(layouts))
 
 
-def is_quantized(layouts: tuple[int, ...]) -> bool:
+def any_quantized(layouts: tuple[int, ...]) -> bool:
     """Whether any state (by its layout code, as in `StateArgs.layouts`) is int8 / uint8 quantized."""
-    return any(code in _QUANTIZED for code in layouts)
+    return any(is_quantized(code) for code in layouts)
 
 
 def _weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
@@ -517,7 +509,7 @@ def _fused_linear_step_checked(spec, x, dy, weight, state, step, seed, rounding:
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return
-    quantized = is_quantized(states.layouts)
+    quantized = any_quantized(states.layouts)
     tma_ok = tma_compatible(x2) and tma_compatible(dy2)
     cfg = config or fused_config(T, N, K, weight.device, quantized, x2.dtype, warp_specialize=tma_ok,
                                  stored_bytes=stored_bytes(w_bf16, states.layouts))
@@ -711,7 +703,7 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
 def _auto_path(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state) -> str:
     """`auto_linear_path` of one `linear_step` call's arguments."""
     tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    quantized = any(_LAYOUT_OF_DTYPE.get(t.dtype) in _QUANTIZED for t in state.values() if isinstance(t, torch.Tensor))
+    quantized = any(holds_codes(t) for t in state.values() if isinstance(t, torch.Tensor))
     tma = all(_tma_readable(t) for t in (x, dy))
     return auto_linear_path(tokens, weight.numel(), x.dtype, weight.device, quantized, tma=tma)
 
@@ -804,7 +796,7 @@ def slab_linear_step(
     # (storage [N, K] and int8 scales [N, K / 64] alike), which keeps the host's cost per slab low.
     states = _prepare_state(spec, names, state, weight)
     if slab_bytes is None:
-        slab_bytes = default_slab_bytes(is_quantized(states.layouts))
+        slab_bytes = default_slab_bytes(any_quantized(states.layouts))
     if N == 0 or K == 0:
         _commit_scalars(state, scalar_updates)
         return

@@ -34,12 +34,13 @@ from typing import Callable, Optional
 
 import torch
 
+from ..layouts import holds_codes
+
 __all__ = ["VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "current_stream", "enabled",
            "entries", "exports_signature", "lookup", "remember", "set_enabled", "supported"]
 
 VERIFIED_TRITON = ("3.6.",)  # the Triton versions whose launcher this path was checked against on the GPU
 _MAX_ENTRIES = 4096  # a model's layers × a few token counts; the cache empties when full
-_QUANTIZED_DTYPES = (torch.int8, torch.uint8)  # states stored as codes, with a `<name>.scale` tensor beside
 
 _ENTRIES: dict[tuple, "PreparedLaunch"] = {}
 _SUPPORTED: Optional[bool] = None  # decided on first use (see `supported`), or by `set_enabled`
@@ -102,7 +103,7 @@ def call_key(spec, combo: tuple, names: tuple[str, ...], scalar_names: tuple[str
         for name in names:
             t = state[name]
             states.append(_meta(t))
-            if t.dtype in _QUANTIZED_DTYPES:
+            if holds_codes(t):
                 states.append(_meta(state[f"{name}.scale"]))
         for name in scalar_names:
             states.append(_meta(state[name]))
@@ -181,7 +182,7 @@ class PreparedLaunch:
         self.host = host
         self.state_keys = names
         # the SCALES argument: each state's block scales, or its storage (never read) where it has none
-        self.scale_keys = tuple(f"{name}.scale" if state[name].dtype in _QUANTIZED_DTYPES else name for name in names)
+        self.scale_keys = tuple(f"{name}.scale" if holds_codes(state[name]) else name for name in names)
         self.scalar_names = scalar_names
         self.fused_ws = fused_ws
         self.auto_path: Optional[str] = None  # what `linear_step(path="auto")` picks for this metadata

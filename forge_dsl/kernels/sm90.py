@@ -27,15 +27,14 @@ from typing import Optional
 import torch
 
 from ..api import SpecLike, builtin_names, init_state, load_spec
-from ..layouts import StateLayout
+from ..layouts import StateLayout, is_quantized
 from . import gluon_lib, tile_kernels
-from .launch import TileConfig, _prepare_state, _variant, fused_config, is_quantized, rounding_code, stored_bytes
+from .launch import TileConfig, _prepare_state, _variant, any_quantized, fused_config, rounding_code, stored_bytes
 
 __all__ = ["Resources", "compile_fused", "main"]
 
 _STATE_POINTER = {StateLayout.FP32: "*fp32", StateLayout.BF16: "*i16", StateLayout.INT8: "*i8",
                   StateLayout.UINT8_SQRT: "*u8"}
-_QUANTIZED_CODES = (int(StateLayout.INT8), int(StateLayout.UINT8_SQRT))
 # Arguments the JIT would see as multiples of 16 for the usual layer sizes (pointers and sizes).
 _DIVISIBLE = {"X", "DY", "W", "N", "K", "n_blocks", "stride_xt", "stride_dyt"}
 
@@ -73,7 +72,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     update, names, exports, _ = _variant(spec, hypers, 1, state)
     states = _prepare_state(spec, names, state, weight)
     fp32 = activations in ("fp32", "tf32")
-    cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), is_quantized(states.layouts),
+    cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), any_quantized(states.layouts),
                                  torch.float32 if fp32 else torch.bfloat16, hopper=gluon_lib.AVAILABLE,
                                  stored_bytes=stored_bytes(True, states.layouts))
     act = "fp32" if fp32 else "bf16"
@@ -111,7 +110,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
         elif arg == "STATES":
             signature[arg] = storage
         elif arg == "SCALES":  # the block scales of int8 / uint8 state, the storage itself (never read) otherwise
-            signature[arg] = tuple("*fp32" if code in _QUANTIZED_CODES else pointer
+            signature[arg] = tuple("*fp32" if is_quantized(code) else pointer
                                    for code, pointer in zip(states.layouts, storage))
         elif arg == "HOST":
             signature[arg] = tuple("i32" if isinstance(value, int) else "fp32" for value in exports)

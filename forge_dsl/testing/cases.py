@@ -30,7 +30,7 @@ import torch
 
 from .. import ir
 from ..api import init_state, load_spec
-from ..layouts import StateLayout
+from ..layouts import is_quantized
 from ..reference import reference_step
 from .bounds import (FP32_REL_TOL, RoundingMean, as_float64_state, bound, dw_error_bound, layout_code, rel_err,
                      sign_tie_allowance, update_bound, update_slack, weight_bound)
@@ -425,7 +425,7 @@ def _run_per_step(case: Case, spec: ir.Spec) -> CaseResult:
                 continue
             got, ref = got_state[s.name], ref_state[s.name]
             lay = layout_code(state[s.name])
-            tol = bound(lay, ref, got if lay in (StateLayout.INT8, StateLayout.UINT8_SQRT) else ref)
+            tol = bound(lay, ref, got if is_quantized(lay) else ref)
             _elementwise(worst, got, ref, tol, step, f"state {s.name} ({lay.name})")
         for s in spec.scalars:
             got, ref = float(state[s.name]), float(ref_state[s.name])
