@@ -142,6 +142,7 @@ class _FusedHandle:
         # the last step() found a gradient of it that its module's forward never saw (the weight read directly,
         # e.g. by Liger-Kernel's fused linear cross-entropy): stepped from .grad
         self.bypassed = False
+        self._consumed: Optional[ConsumedGrad] = None  # the weight's placeholder .grad, made once (no memory)
 
     def note_forward(self) -> None:
         """A forward with gradients through this layer (recomputation inside backward, by checkpointing,
@@ -156,6 +157,13 @@ class _FusedHandle:
             raise RuntimeError(_accumulation_message(self.name) + " (This forward, with gradients enabled, "
                                "came after backward and before optimizer.step().)")
         self.forward_uses += 1
+
+    def _consumed_grad(self, weight: torch.Tensor) -> ConsumedGrad:
+        """The weight's placeholder `.grad`, made again only where the weight's metadata changed (model.to())."""
+        kept = self._consumed
+        if kept is None or (kept.shape, kept.dtype, kept.device) != (weight.shape, weight.dtype, weight.device):
+            kept = self._consumed = consumed_grad(weight, self.name)
+        return kept
 
     def consume(self, x: torch.Tensor, dy: torch.Tensor) -> Optional[torch.Tensor]:
         """In backward: the fused update of this layer's weight from x [..., K] and dy [..., N] (None), or, where
@@ -179,7 +187,7 @@ class _FusedHandle:
         opt._fused_update(weight, x, dy)
         self.updated = True
         # what reads .grad from now on (clipping, however imported) learns that it was consumed here
-        weight.grad = consumed_grad(weight, self.name)
+        weight.grad = self._consumed_grad(weight)
         return None
 
 

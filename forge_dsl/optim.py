@@ -51,7 +51,6 @@ Exactness rules (each refused loudly when it cannot hold):
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from typing import Any, Iterable, Mapping, Optional, Union

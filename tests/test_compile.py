@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-import forge_dsl
 from forge_dsl import ForgeOptimizer
 from test_optim import (DEVICE, HYPERS, MLP, assert_params_close, make_llama, make_mlp, mlp_batches, mlp_loss,
                         twin)

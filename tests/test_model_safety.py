@@ -11,7 +11,6 @@ import copy
 import gc
 import io
 import pickle
-import warnings
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from torch import nn
 import forge_dsl
 from forge_dsl import ForgeOptimizer
 from test_optim import (DEVICE, HYPERS, MLP, assert_fused_moved, assert_params_close, make_llama, make_mlp,
-                        mlp_batches, mlp_loss, run_trainer, snapshot, train, twin)
+                        mlp_batches, mlp_loss, snapshot, train, twin)
 
 
 def _fused_names(opt) -> list[str]:

@@ -657,7 +657,7 @@ def test_clipping_is_refused_however_it_is_reached():
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     assert math.isnan(total.item())
     with pytest.raises(RuntimeError, match="max_grad_norm=0"):
-        coef = (1.0 / (total + 1e-6)).clamp(max=1.0)
+        (1.0 / (total + 1e-6)).clamp(max=1.0)
     with pytest.raises(RuntimeError, match="a decision on a value computed from the gradient of 'up.weight'"):
         if total > 1.0:
             pass
