@@ -41,7 +41,7 @@ from forge_dsl.bench.common import device_name, git_commit, graph_ms as common_g
 from forge_dsl.config import resolve_hypers
 from forge_dsl.generated import adamw as adamw_module
 from forge_dsl.kernels import TileConfig
-from forge_dsl.kernels.launch import fused_config, interpreting
+from forge_dsl.kernels.policy import fused_config, interpreting
 from forge_dsl.kernels.tile_kernels import apply_tile, load_tile
 from forge_dsl.kernels.triton_lib import accumulate_dw, accumulate_dw_halves, tile_at, tile_offsets
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 import forge_dsl
-from forge_dsl.kernels import launch, prepared
+from forge_dsl.kernels import launch, launches, prepared
 
 CASES = [("bf16", 1024, 4096, 16), ("bf16", 1024, 4096, 512), ("bf16", 4096, 4096, 2048),
          ("int8", 1024, 4096, 16), ("int8", 1024, 4096, 512), ("int8", 4096, 4096, 2048)]
@@ -66,9 +66,11 @@ def breakdown(layout: str = "bf16", n: int = 1024, k: int = 4096, t: int = 512, 
     dy = torch.randn(t, n, device="cuda").to(torch.bfloat16)
     state = forge_dsl.init_state("adamw", w, layout=layout)
     captured = {}
-    original = launch._launch_warp_specialized
+    original = launches.launch_warp_specialized
+    from forge_dsl.kernels import gluon_lib
 
-    def capture(fused_ws, cfg, x2, dy2, *rest):
+    def capture(cfg, x2, dy2, *rest):
+        fused_ws = gluon_lib.fused_ws
         captured.update(fused_ws=fused_ws, cfg=cfg, x2=x2, dy2=dy2)
         real_run = fused_ws.run
 
@@ -78,22 +80,21 @@ def breakdown(layout: str = "bf16", n: int = 1024, k: int = 4096, t: int = 512, 
 
         fused_ws.run = run
         try:
-            return original(fused_ws, cfg, x2, dy2, *rest)
+            return original(cfg, x2, dy2, *rest)
         finally:
             del fused_ws.run
 
     step = iter(range(1, 10**9))
     for _ in range(20):
         launch.linear_step("adamw", x, dy, w, state, step=next(step), **HYPERS)
-    launch._launch_warp_specialized = capture
+    launches.launch_warp_specialized = capture
     try:
         launch.linear_step("adamw", x, dy, w, state, step=next(step), **HYPERS)
     finally:
-        launch._launch_warp_specialized = original
+        launches.launch_warp_specialized = original
     if "args" not in captured:
         print(f"{layout} {n}×{k} T={t}: not the warp-specialized kernel; no breakdown")
         return
-    from forge_dsl.kernels import gluon_lib
     fused_ws, cfg, x2, dy2 = captured["fused_ws"], captured["cfg"], captured["x2"], captured["dy2"]
     args, kwargs = captured["args"], dict(captured["kwargs"])
     grid = kwargs.pop("grid")
@@ -129,11 +130,11 @@ def breakdown(layout: str = "bf16", n: int = 1024, k: int = 4096, t: int = 512, 
     print(f"\n{layout} state, {n}×{k}, T={t}, {calls} calls each, host µs per call:")
     for name, fn in parts.items():
         if fn is None:
-            launch._launch_warp_specialized = lambda *a: (None, None, None, None)
+            launches.launch_warp_specialized = lambda *a: (None, None, None, None)
             try:
                 us = timed(lambda: launch.linear_step("adamw", x, dy, w, state, step=next(step), **HYPERS))
             finally:
-                launch._launch_warp_specialized = original
+                launches.launch_warp_specialized = original
         else:
             us = timed(fn)
         print(f"  {us:8.1f}  {name}")

@@ -19,7 +19,7 @@ import triton
 import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.bench.common import graph_ms
-from forge_dsl.kernels import TileConfig, launch
+from forge_dsl.kernels import TileConfig, launches
 
 # TileConfig(block_t, block_n, block_k, group_n, num_warps, num_stages, k_halves, tma, ...). docs/PERF.md (v1-v4) has
 # the results of this list and of the lists it replaced (loading W and state after the token loop; persistent
@@ -40,7 +40,7 @@ CONFIGS = [
     # v4 default from 1025 tokens: the whole tile accumulated, its epilogue in quarter slices, two programs per SM
     TileConfig(64, 128, 128, 8, 8, 3, tma=True, epilogue_split=4, maxnreg=128),
 ]
-# (BLOCK_N, BLOCK_K, num_warps) of the element-wise kernel; launch.step_config picks one by shape.
+# (BLOCK_N, BLOCK_K, num_warps) of the element-wise kernel; policy.step_config picks one by shape.
 STEP_CONFIGS = [(16, 256, 8), (16, 256, 4), (8, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4),
                 (64, 64, 4), (64, 128, 8), (8, 256, 8), (4, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 8),
                 (2, 512, 4), (16, 64, 4), (32, 64, 8), (4, 128, 2), (2, 256, 2)]
@@ -94,16 +94,16 @@ def sweep_step(spec_name, layout, N, K, rows):
     w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
     g = (torch.randn(N, K, device="cuda") * 1e-3).to(torch.bfloat16)
     state = forge_dsl.init_state(spec, w, layout=layout, **kw)
-    original = launch.step_config
+    original = launches.step_config
     try:
         for bn, bk, warps in STEP_CONFIGS:
-            launch.step_config = lambda rows_, cols, device, c=(bn, bk, warps): c
+            launches.step_config = lambda rows_, cols, device, c=(bn, bk, warps): c
             ms = bench(lambda: kernels.step(spec, w, g, state, step=1, **kw), graph=True)
             rows.append({"kind": "step", "spec": spec_name, "layout": layout, "N": N, "K": K,
                          "config": [bn, bk, warps], "ms": ms})
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        launch.step_config = original
+        launches.step_config = original
     if spec_name == "adamw" and layout == "bf16":
         p = torch.nn.Parameter(w.clone())
         p.grad = g

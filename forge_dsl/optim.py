@@ -63,9 +63,9 @@ from .api import SpecLike, init_state, load_spec
 from .consumed_grad import CLIP_MESSAGE, OUTSIDE_USE_MESSAGE, ConsumedGrad
 from .fused_linear import _FusedForward, _FusedHandle, _fused_forward_of, _restore_forwards, fusion_refusal
 from .config import check_seed, resolve_hypers
-from .kernels import launch
 from .kernels.foreach import FOREACH_MAX_ELEMENTS, _step_flat, shared_launch_key
-from .kernels.launch import LINEAR_PATHS, linear_step, step as elementwise_step
+from .kernels.launch import linear_step, step as elementwise_step
+from .kernels.policy import LINEAR_PATHS, interpreting
 
 __all__ = ["ForgeOptimizer", "fuse", "fusion_refusal"]
 
@@ -172,7 +172,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             tensor cores under "high" or "medium", like every other matmul of the model.
         fuse: False steps every parameter from its gradient (no fusion; for comparisons).
         linear_path: "auto" (default), "fused" or "slab": how a fused layer's update runs
-            (`forge_dsl.kernels.linear_step`): "auto" takes what `kernels.launch.auto_linear_path` decides
+            (`forge_dsl.kernels.linear_step`): "auto" takes what `kernels.policy.auto_linear_path` decides
             for the layer's shape, token count, state layout and GPU; "fused" the tile-fused kernel (fp32
             dW in registers) everywhere; "slab" cuBLAS dW in L2-sized row slabs, rounded to bf16 as
             autograd's dW is, each consumed at once by the element-wise kernel.
@@ -278,7 +278,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if p.is_meta:
             raise ValueError("parameter on the meta device has no data for FORGE to update: materialize the model "
                              "first (model.to_empty(device=...) and initialize it, or load its weights)")
-        if p.device.type != "cuda" and not launch.interpreting():
+        if p.device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"parameter on {p.device}: FORGE kernels run on CUDA (model.cuda()), or on the CPU only in "
                 "the Triton interpreter (TRITON_INTERPRET=1 set before importing triton, for tests)"

@@ -23,8 +23,9 @@ import torch
 
 import forge_dsl
 from forge_dsl.bench import kernel, model
+from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
-from forge_dsl.kernels.launch import mix_seed
+from forge_dsl.kernels.launches import mix_seed
 from forge_dsl.bench.__main__ import main
 from forge_dsl.bench.common import Progress, format_table, git_commit
 from forge_dsl.bench.lean_loss import InplaceCrossEntropy, causal_lm_loss_inplace
@@ -537,6 +538,39 @@ def test_ws_timeline_summary_reads_the_stamps():
     assert got.keys() == want.keys()
     for name, cycles in want.items():
         assert got[name] == pytest.approx(cycles / 2_000), name
+
+
+@pytest.mark.gpu
+def test_ws_timeline_records_the_product_kernel():
+    """bench/ws_timeline.py launches `gluon_lib.fused_ws` itself with a timeline: the same bits as
+    `fused_linear_step` with the same config, and per tile stamps in the order the partitions take them."""
+    from forge_dsl.kernels import policy
+
+    if not torch.cuda.is_available() or not policy.hopper_with_gluon(torch.device("cuda")):
+        pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU with Gluon")
+    timeline = _bench_script("ws_timeline")
+    dev = torch.device("cuda")
+    T, N, K = 256, 2048, 2048
+    cfg = policy.fused_config(T, N, K, dev)
+    assert cfg.warp_specialized
+    g = torch.Generator(device=dev).manual_seed(3)
+    x = torch.randn(T, K, device=dev, generator=g).bfloat16()
+    dy = (torch.randn(T, N, device=dev, generator=g) * 1e-3).bfloat16()
+    w = (torch.randn(N, K, device=dev, generator=g) * 0.02).bfloat16()
+    state = forge_dsl.init_state("adamw", w, layout="bf16")
+    w2, state2 = w.clone(), {k: v.clone() for k, v in state.items()}
+    tiles = (N // 128) * (K // 128)
+    programs = min(torch.cuda.get_device_properties(dev).multi_processor_count, tiles)
+    per_program = -(-tiles // programs)
+    stamps = torch.zeros(programs, per_program, timeline.SLOTS, dtype=torch.int64, device=dev)
+    timeline.launch(x, dy, w, state, cfg, step=1, seed=5, timeline=stamps, lr=1e-3)
+    kernels.fused_linear_step("adamw", x, dy, w2, state2, step=1, seed=5, config=cfg, lr=1e-3)
+    assert torch.equal(w.view(torch.int16), w2.view(torch.int16))
+    for k in state:
+        assert torch.equal(state[k], state2[k]), k
+    first = stamps[:, 0].cpu()
+    assert (first[:, 0] > 0).all() and (first[:, 2] >= first[:, 0]).all() and (first[:, 4] >= first[:, 3]).all()
+    assert (first[:, 3] >= first[:, 2]).all() and (first[:, 7] >= first[:, 6]).all() and (first[:, 10] > 0).all()
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"

@@ -136,13 +136,13 @@ def test_optimizer_shares_launches_and_keeps_the_bits(dtype, state_dtype, monkey
             prm.add_(torch.randn_like(prm) * 0.1)  # norms away from their ones and zeros
     models = {flag: Net(dtype).to(DEVICE) for flag in (True, False)}
     launches = {}
-    real = launch._launch_elementwise
+    real = launch.launch_elementwise
     for flag, model in models.items():
         model.load_state_dict(ref.state_dict())
         opt = ForgeOptimizer(model, "adamw", lr=1e-2, weight_decay=0.1, state_dtype=state_dtype,
                              rounding="nearest", foreach=flag)
         calls = []
-        monkeypatch.setattr(launch, "_launch_elementwise", lambda *a, **k: (calls.append(1), real(*a, **k)))
+        monkeypatch.setattr(launch, "launch_elementwise", lambda *a, **k: (calls.append(1), real(*a, **k)))
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             x = torch.randn(2, 16, 64, generator=gen).to(DEVICE, dtype)

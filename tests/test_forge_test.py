@@ -408,11 +408,11 @@ def test_quick_passes_every_builtin(name):
 @pytest.mark.gpu
 def test_quick_on_the_gpu(capsys):
     """Compiled kernels (the interpreter accepts code the compiler rejects); on Hopper the warp-specialized path."""
-    from forge_dsl.kernels import launch
+    from forge_dsl.kernels import policy
 
     assert main(["adamw", "--quick", "--device", "cuda"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
-    if launch._hopper_with_gluon(torch.device("cuda")):
+    if policy.hopper_with_gluon(torch.device("cuda")):
         assert re.search(r"adamw\s+ws\s+per-step", out)
 
 

@@ -26,7 +26,7 @@ import torch
 import forge_dsl
 from references import ADAMAX
 from forge_dsl import kernels
-from forge_dsl.kernels import launch
+from forge_dsl.kernels import checks, launch, policy
 from forge_dsl.checker import combinations, describe_combo
 from forge_dsl.config import resolve_hypers
 from forge_dsl.layouts import StateLayout
@@ -117,7 +117,7 @@ def test_every_flag_combination(name, combo):
 
 
 def hopper_with_gluon() -> bool:
-    return launch._hopper_with_gluon(DEVICE)
+    return policy.hopper_with_gluon(DEVICE)
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
@@ -362,48 +362,48 @@ def test_default_tile_configs_on_the_h200():
     epilogue in 128 registers, except 64×64 tiles up to 512 tokens on layers of 2^24 elements and more,
     and up to 1024 on layers under 2^22; int8 state and float32 activations have their own tiles."""
     cuda = torch.device("cuda")
-    ws = launch.fused_config(2048, 4096, 4096, cuda, hopper=True)
+    ws = policy.fused_config(2048, 4096, 4096, cuda, hopper=True)
     assert (ws.block_n, ws.block_k, ws.num_stages, ws.epilogue_split, ws.mma_warps, ws.num_warps) == \
         (128, 128, 5, 4, 8, 8)
     assert ws.launch_maxnreg == 96  # 20 warps share an SM's 64 K registers
     assert ws.prefetch  # bf16 weights and two bf16 states: 6 bytes per element
-    assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, stored_bytes=10).prefetch  # two fp32 states
-    assert launch.fused_config(512, 4096, 4096, cuda, hopper=True, stored_bytes=10).mma_slices == 0  # not measured
-    assert launch.stored_bytes(True, (1, 0)) == 8  # layout codes: BF16, FP32
-    assert launch.stored_bytes(False, (2,)) == 5  # INT8
+    assert not policy.fused_config(2048, 4096, 4096, cuda, hopper=True, stored_bytes=10).prefetch  # two fp32 states
+    assert policy.fused_config(512, 4096, 4096, cuda, hopper=True, stored_bytes=10).mma_slices == 0  # not measured
+    assert policy.stored_bytes(True, (1, 0)) == 8  # layout codes: BF16, FP32
+    assert policy.stored_bytes(False, (2,)) == 5  # INT8
     assert ws.mma_slices == 0  # the epilogue warps update every slice ...
     for T, n, k in ((8192, 14336, 4096), (2048, 128256, 4096), (513, 1024, 4096)):
-        assert launch.fused_config(T, n, k, cuda, hopper=True) == ws
+        assert policy.fused_config(T, n, k, cuda, hopper=True) == ws
     for T, n, k in ((512, 4096, 4096), (512, 128256, 4096), (1, 1024, 4096)):  # ... the MMA warps one of 4 (v8)
-        assert launch.fused_config(T, n, k, cuda, hopper=True) == dataclasses.replace(ws, mma_slices=1)
-    assert not launch.fused_config(2048, 1024, 2048, cuda, hopper=True).warp_specialized  # 128 tiles: idle SMs
-    assert not launch.fused_config(2048, 4096, 4096, cuda, hopper=True, warp_specialize=False).warp_specialized
+        assert policy.fused_config(T, n, k, cuda, hopper=True) == dataclasses.replace(ws, mma_slices=1)
+    assert not policy.fused_config(2048, 1024, 2048, cuda, hopper=True).warp_specialized  # 128 tiles: idle SMs
+    assert not policy.fused_config(2048, 4096, 4096, cuda, hopper=True, warp_specialize=False).warp_specialized
     # int8 state (v9): the same kernel without the prefetch (it spills), the MMA warps' slice up to 512 tokens
-    assert launch.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=True, stored_bytes=4) == \
+    assert policy.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=True, stored_bytes=4) == \
         dataclasses.replace(ws, prefetch=False)
-    assert launch.fused_config(512, 4096, 4096, cuda, quantized=True, hopper=True, stored_bytes=4) == \
+    assert policy.fused_config(512, 4096, 4096, cuda, quantized=True, hopper=True, stored_bytes=4) == \
         dataclasses.replace(ws, prefetch=False, mma_slices=1)
-    assert not launch.fused_config(2048, 4096, 4096, cuda, activations=torch.float32, hopper=True).warp_specialized
+    assert not policy.fused_config(2048, 4096, 4096, cuda, activations=torch.float32, hopper=True).warp_specialized
     # without warp specialization (other GPUs, or no Gluon)
-    split = launch.fused_config(2048, 4096, 4096, cuda, hopper=False)
+    split = policy.fused_config(2048, 4096, 4096, cuda, hopper=False)
     assert (split.block_n, split.block_k, split.epilogue_split, split.maxnreg, split.tma) == (128, 128, 4, 128, True)
-    assert launch.fused_config(512, 1024, 4096, cuda, hopper=False) == split  # k/v: 256 tiles of 128×128
-    assert launch.fused_config(8192, 14336, 4096, cuda, hopper=False) == split
-    assert launch.fused_config(1024, 4096, 4096, cuda, hopper=False) == split  # v5: 128×128 faster from 1024 tokens
-    for small in (launch.fused_config(512, 4096, 4096, cuda, hopper=False),
-                  launch.fused_config(1024, 512, 512, cuda, hopper=False)):
+    assert policy.fused_config(512, 1024, 4096, cuda, hopper=False) == split  # k/v: 256 tiles of 128×128
+    assert policy.fused_config(8192, 14336, 4096, cuda, hopper=False) == split
+    assert policy.fused_config(1024, 4096, 4096, cuda, hopper=False) == split  # v5: 128×128 faster from 1024 tokens
+    for small in (policy.fused_config(512, 4096, 4096, cuda, hopper=False),
+                  policy.fused_config(1024, 512, 512, cuda, hopper=False)):
         assert (small.block_n, small.block_k, small.epilogue_split, small.maxnreg) == (64, 64, 1, None)
-    int8 = launch.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=False)  # v5: 128×64, two per SM
+    int8 = policy.fused_config(2048, 4096, 4096, cuda, quantized=True, hopper=False)  # v5: 128×64, two per SM
     assert (int8.block_n, int8.block_k, int8.epilogue_split, int8.maxnreg, int8.tma) == (128, 64, 1, 128, True)
-    assert launch.fused_config(2048, 1024, 4096, cuda, quantized=True, hopper=False) == int8
-    assert launch.fused_config(2048, 1024, 2048, cuda, quantized=True, hopper=True) == int8  # 128 tiles: idle SMs
-    assert launch.fused_config(8192, 4096, 4096, cuda, quantized=True, hopper=False).block_k == 128
-    assert launch.fused_config(2048, 4096, 4096, cuda, activations=torch.float32).block_k == 64
+    assert policy.fused_config(2048, 1024, 4096, cuda, quantized=True, hopper=False) == int8
+    assert policy.fused_config(2048, 1024, 2048, cuda, quantized=True, hopper=True) == int8  # 128 tiles: idle SMs
+    assert policy.fused_config(8192, 4096, 4096, cuda, quantized=True, hopper=False).block_k == 128
+    assert policy.fused_config(2048, 4096, 4096, cuda, activations=torch.float32).block_k == 64
     for T in (1, 512, 2048, 8192):
         for n, k in ((4096, 4096), (1024, 4096), (128256, 4096), (64, 64)):
             for quantized in (False, True):
                 for hopper in (False, True):
-                    launch.check_config(launch.fused_config(T, n, k, cuda, quantized, hopper=hopper), quantized)
+                    checks.check_config(policy.fused_config(T, n, k, cuda, quantized, hopper=hopper), quantized)
 
 
 def test_warp_specialized_configs_are_refused_where_they_cannot_run():
@@ -447,7 +447,7 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_run():
         big = torch.randn(4096, 4096, device=DEVICE).to(torch.bfloat16)
         xs = torch.randn(4096, 16, device=DEVICE).to(torch.bfloat16).t()  # [16, 4096], strides (1, 16)
         dys = torch.randn(16, 4096, device=DEVICE).to(torch.bfloat16)
-        assert not launch.tma_compatible(xs)
+        assert not checks.tma_compatible(xs)
         ref, state = big.clone(), forge_dsl.init_state("adamw", big, layout="bf16")
         kernels.step("adamw", ref, dys.float().T @ xs.float(), forge_dsl.init_state("adamw", big, layout="bf16"),
                      step=1, seed=3)
@@ -480,8 +480,8 @@ def test_strided_activations_and_leading_dims(config):
     st2 = forge_dsl.init_state("adamw", ref_w, layout="fp32")
     x3 = x.reshape(4, 10, K)
     xt = x.T.contiguous().T  # same values, column-major strides
-    assert launch.tma_compatible(x) and not launch.tma_compatible(xt)
-    assert not launch.tma_compatible(x[:1].expand(40, K))  # overlapping rows (stride 0)
+    assert checks.tma_compatible(x) and not checks.tma_compatible(xt)
+    assert not checks.tma_compatible(x[:1].expand(40, K))  # overlapping rows (stride 0)
     kernels.fused_linear_step("adamw", x3, dy.reshape(4, 10, N), w, st1, step=1, config=config)
     kernels.fused_linear_step("adamw", xt, dy, ref_w, st2, step=1, config=config)
     assert rel_err(w, ref_w) <= 1e-6
@@ -653,17 +653,17 @@ def test_default_configs_on_llama_sized_layers(n, t, layout):
 
 def test_slab_rows_are_whole_aligned_rows_within_the_budget():
     mib16 = 16 * 2**20
-    assert launch.slab_rows(4096, 14336, 4, mib16) == 256  # 292 rows fit: rounded down to cuBLAS-friendly 256
-    assert launch.slab_rows(128256, 4096, 4, mib16) == 1024
-    assert launch.slab_rows(300, 4096, 4, mib16) == 300  # the whole weight fits: one slab
-    assert launch.slab_rows(72, 136, 4, 20 * 136 * 4) == 20  # under 128 rows: kept as they are
-    assert launch.slab_rows(72, 136, 4, 1) == 1  # at least one row
+    assert policy.slab_rows(4096, 14336, 4, mib16) == 256  # 292 rows fit: rounded down to cuBLAS-friendly 256
+    assert policy.slab_rows(128256, 4096, 4, mib16) == 1024
+    assert policy.slab_rows(300, 4096, 4, mib16) == 300  # the whole weight fits: one slab
+    assert policy.slab_rows(72, 136, 4, 20 * 136 * 4) == 20  # under 128 rows: kept as they are
+    assert policy.slab_rows(72, 136, 4, 1) == 1  # at least one row
 
 
 def test_slab_bytes_default_by_state_layout(monkeypatch):
     """Without `slab_bytes`, the slab path takes 16 MiB slabs, and 32 MiB ones with int8 state."""
     budgets = []
-    real_slab_rows = launch.slab_rows
+    real_slab_rows = policy.slab_rows
     monkeypatch.setattr(launch, "slab_rows", lambda N, K, size, budget: budgets.append(budget) or
                         real_slab_rows(N, K, size, budget))
     w, x, dy = make_problem(14, torch.float32)
@@ -677,28 +677,28 @@ def test_slab_bytes_default_by_state_layout(monkeypatch):
 def test_auto_linear_path():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     big = 4096 * 4096
-    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=False) == "slab"
-    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=True) == "fused"  # v7: warp-specialized
+    assert policy.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=False) == "slab"
+    assert policy.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=True) == "fused"  # v7: warp-specialized
     # ... which reads through TMA: activations it cannot read keep the v3 rule
-    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=True, tma=False) == "slab"
-    assert launch.auto_linear_path(4096, big, torch.bfloat16, cuda, hopper=False) == "fused"
-    assert launch.auto_linear_path(8192, 1024 * 4096, torch.bfloat16, cuda, hopper=False) == "fused"  # k/v
-    assert launch.auto_linear_path(8192, big, torch.float32, cuda) == "fused"  # fp32: the fused kernel's exact product
-    assert launch.auto_linear_path(8192, big, torch.bfloat16, cpu) == "fused"
+    assert policy.auto_linear_path(8192, big, torch.bfloat16, cuda, hopper=True, tma=False) == "slab"
+    assert policy.auto_linear_path(4096, big, torch.bfloat16, cuda, hopper=False) == "fused"
+    assert policy.auto_linear_path(8192, 1024 * 4096, torch.bfloat16, cuda, hopper=False) == "fused"  # k/v
+    assert policy.auto_linear_path(8192, big, torch.float32, cuda) == "fused"  # fp32: the fused kernel's exact product
+    assert policy.auto_linear_path(8192, big, torch.bfloat16, cpu) == "fused"
     # int8 state: the slab path from 2048 tokens, on every layer (v5)
-    assert launch.auto_linear_path(2048, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=False) == "slab"
-    assert launch.auto_linear_path(2047, big, torch.bfloat16, cuda, quantized=True, hopper=False) == "fused"
+    assert policy.auto_linear_path(2048, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=False) == "slab"
+    assert policy.auto_linear_path(2047, big, torch.bfloat16, cuda, quantized=True, hopper=False) == "fused"
     # int8 state where the warp-specialized kernel runs (v9): the slab path up to 512 tokens, that kernel above,
     # unless its launches are reused (v14): then that kernel at every token count
     for tokens, path in ((1, "slab"), (512, "slab"), (513, "fused"), (2048, "fused"), (8192, "fused")):
-        assert launch.auto_linear_path(tokens, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=True,
+        assert policy.auto_linear_path(tokens, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=True,
                                        reused=False) == path
-        assert launch.auto_linear_path(tokens, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=True,
+        assert policy.auto_linear_path(tokens, 1024 * 4096, torch.bfloat16, cuda, quantized=True, hopper=True,
                                        reused=True) == "fused"
-    assert launch.auto_linear_path(8192, big, torch.bfloat16, cuda, quantized=True, hopper=True, tma=False) == "slab"
-    assert launch.auto_linear_path(8192, 1024 * 2048, torch.bfloat16, cuda, quantized=True, hopper=True) == "slab"
-    assert launch.auto_linear_path(1024, 1024 * 2048, torch.bfloat16, cuda, quantized=True, hopper=True) == "fused"
-    assert launch.auto_linear_path(8192, big, torch.float32, cuda, quantized=True) == "fused"
+    assert policy.auto_linear_path(8192, big, torch.bfloat16, cuda, quantized=True, hopper=True, tma=False) == "slab"
+    assert policy.auto_linear_path(8192, 1024 * 2048, torch.bfloat16, cuda, quantized=True, hopper=True) == "slab"
+    assert policy.auto_linear_path(1024, 1024 * 2048, torch.bfloat16, cuda, quantized=True, hopper=True) == "fused"
+    assert policy.auto_linear_path(8192, big, torch.float32, cuda, quantized=True) == "fused"
     w, x, dy = make_problem(12, torch.float32)
     with pytest.raises(ValueError, match="path must be one of auto, fused, slab, got 'gemm'"):
         kernels.linear_step("adamw", x, dy, w, forge_dsl.init_state("adamw", w), step=1, path="gemm")
@@ -734,22 +734,27 @@ def test_tma_readable_without_reshaping():
     cases = [base, base[:, :5, :], base[:, ::2, :], base.transpose(0, 1), base[..., :100], base[..., :4],
              base[:0], torch.randn(3, 9).to(torch.bfloat16)]
     for t in cases:
-        assert launch._tma_readable(t) == (t.numel() > 0 and launch.tma_compatible(t.reshape(-1, t.shape[-1]))), \
+        assert checks.tma_readable(t) == (t.numel() > 0 and checks.tma_compatible(t.reshape(-1, t.shape[-1]))), \
             (tuple(t.shape), t.stride())
 
 
 def test_linear_step_routes_each_option_to_its_path(monkeypatch):
     calls = []
-    monkeypatch.setattr(launch, "fused_linear_step", lambda *a, **kw: calls.append(("fused", kw)))
+    monkeypatch.setattr(launch.ParamUpdate, "_fused", lambda self, x2, dy2, w, states, key, tf32, config:
+                        calls.append(("fused", config, self.exports)))
     monkeypatch.setattr(launch, "slab_linear_step", lambda *a, **kw: calls.append(("slab", kw)))
     w, x, dy = make_problem(13, torch.bfloat16)
     config = kernels.TileConfig(64, 64, 64, num_warps=4, num_stages=1)
+    state = forge_dsl.init_state("adamw", w, layout="bf16")
     for path in ("fused", "slab", "auto"):
-        kernels.linear_step("adamw", x, dy, w, {}, path=path, step=1, config=config, slab_bytes=2**20, lr=0.1)
-    (fused, f_kw), (slab, s_kw), (auto, _) = calls
+        kernels.linear_step("adamw", x, dy, w, state, path=path, step=1, config=config, slab_bytes=2**20, lr=0.1)
+    (fused, f_config, f_exports), (slab, s_kw), (auto, _, a_exports) = calls
     assert (fused, slab, auto) == ("fused", "slab", "fused")  # auto: CPU
-    assert f_kw["config"] is config and "slab_bytes" not in f_kw and f_kw["lr"] == 0.1
+    reference = launch.ParamUpdate("adamw", w, state, step=1, lr=0.1).exports  # the keywords reached the variant
+    assert f_config is config and f_exports == a_exports == reference
+    assert reference != launch.ParamUpdate("adamw", w, state, step=1, lr=0.2).exports
     assert s_kw["slab_bytes"] == 2**20 and "config" not in s_kw and "tf32" not in s_kw and s_kw["step"] == 1
+    assert s_kw["lr"] == 0.1
     # "auto" asks with the layer's token count, size, whether its state is quantized and whether TMA can read
     # the activations (not column-major ones)
     asked = []
@@ -761,3 +766,53 @@ def test_linear_step_routes_each_option_to_its_path(monkeypatch):
     assert asked == [(T, N * K, torch.bfloat16, w.device, False, {"tma": True}),
                      (T, N * K, torch.bfloat16, w.device, True, {"tma": True}),
                      (T, N * K, torch.bfloat16, w.device, True, {"tma": False})]
+
+
+@pytest.mark.parametrize("layout", ["fp32", "int8"])
+def test_param_update_row_blocks_equal_the_whole_layer(layout):
+    """`ParamUpdate` binds one step once and launches it on blocks of rows (what a fused LM head's vocabulary
+    blocks use): with fp32 weights (no rounding bits), blocks in any order, of ragged sizes, give the bits of
+    one whole-layer call, fused from dy's column blocks and element-wise from dW's row blocks alike; NAdam's
+    scalar state moves once, at commit."""
+    n = 200  # blocks of 64, 72 and 64 rows: one ragged against the interpreter's 64-row tiles
+    w, x, dy = make_problem(21, torch.float32, n=n)
+    blocks = [(136, 200), (0, 64), (64, 136)]
+    for spec in ("adamw", "nadam"):
+        whole_w, whole_state = w.clone(), forge_dsl.init_state(spec, w, layout=layout)
+        for step in (1, 2):
+            kernels.fused_linear_step(spec, x, dy, whole_w, whole_state, step=step, lr=0.01)
+        for use in ("fused", "from_grad"):
+            w_blocks, state = w.clone(), forge_dsl.init_state(spec, w, layout=layout)
+            for step in (1, 2):
+                update = launch.ParamUpdate(spec, w_blocks, state, step=step, lr=0.01)
+                scalars = {s.name: float(state[s.name]) for s in update.spec.scalars}
+                for r0, r1 in blocks:
+                    if use == "fused":
+                        update.fused(x, dy[:, r0:r1], rows=r0)
+                    else:
+                        update.from_grad(dy[:, r0:r1].t() @ x, rows=r0)
+                    assert {name: float(state[name]) for name in scalars} == scalars  # not before commit
+                update.commit()
+            if use == "fused":
+                assert torch.equal(w_blocks, whole_w), (spec, layout)
+                for name, t in whole_state.items():
+                    assert torch.equal(state[name], t), (spec, layout, name)
+            else:  # dW from a torch matmul: its own summation order
+                assert rel_err(w_blocks, whole_w) < 1e-5, (spec, layout)
+            if spec == "nadam":
+                assert float(state["mu_product"]) == float(whole_state["mu_product"]) != 1.0
+
+
+def test_param_update_refuses_rows_outside_the_parameter():
+    w, x, dy = make_problem(22, torch.bfloat16)
+    state = forge_dsl.init_state("adamw", w)
+    before = w.clone()
+    update = launch.ParamUpdate("adamw", w, state, step=1)
+    for rows in (-1, N - 10, 1.5, True):
+        with pytest.raises(ValueError, match="rows must be an int with"):
+            update.fused(x, dy[:, :16], rows=rows)
+    with pytest.raises(ValueError, match=r"grad has shape \(3, 5\) but the rows it updates have \(3, 136\)"):
+        update.from_grad(torch.zeros(3, 5), rows=0)
+    with pytest.raises(ValueError, match="row blocks need a 2-D parameter"):
+        launch.ParamUpdate("adamw", w[0], forge_dsl.init_state("adamw", w[0]), step=1).from_grad(w[0], rows=0)
+    assert torch.equal(w, before)

@@ -17,11 +17,11 @@ import torch
 
 import forge_dsl
 from forge_dsl import kernels
-from forge_dsl.kernels import gluon_lib, launch, prepared
+from forge_dsl.kernels import gluon_lib, launch, policy, prepared
 
 # The recorders stand in for Triton on CPU tensors, so these tests run where the interpreter does (CI);
 # on a GPU machine test_kernels.py's warp-specialized and reused-launch tests run the same path for real.
-pytestmark = pytest.mark.skipif(not launch.interpreting(), reason="recorder tests of the interpreter's tier: on a "
+pytestmark = pytest.mark.skipif(not policy.interpreting(), reason="recorder tests of the interpreter's tier: on a "
                                 "GPU, tests/test_kernels.py runs reused launches for real")
 
 N, K, T = 72, 136, 40
@@ -70,8 +70,9 @@ def recorder(monkeypatch):
     monkeypatch.setattr(prepared, "_SUPPORTED", True)
     monkeypatch.setattr(prepared, "_ENTRIES", {})
     monkeypatch.setattr(prepared, "current_stream", lambda device: 0)
-    monkeypatch.setattr(launch, "_check_warp_specialized", lambda *args: None)
-    monkeypatch.setattr(launch, "_hopper_with_gluon", lambda device: True)
+    monkeypatch.setattr(launch, "check_warp_specialized", lambda *args: None)
+    monkeypatch.setattr(launch, "hopper_with_gluon", lambda device: True)
+    monkeypatch.setattr(policy, "hopper_with_gluon", lambda device: True)
     monkeypatch.setattr(gluon_lib, "sm_count", lambda device: 132)
     monkeypatch.setattr(gluon_lib, "descriptor",
                         lambda t, block: ("descriptor", t.data_ptr(), tuple(t.shape), t.stride(), tuple(block)))
@@ -124,7 +125,7 @@ def test_reused_launch_passes_what_the_checked_path_binds(recorder, monkeypatch,
     seen = set()
     for step in range(1, 9):
         x, dy = _activations(step)
-        exports = launch._variant(spec, _hypers(name), step, state)[2]
+        exports = launch.ParamUpdate(spec, w, state, step=step, **_hypers(name)).exports
         new_kind = prepared.exports_signature(exports) not in seen
         seen.add(prepared.exports_signature(exports))
         before = _scalars(state)

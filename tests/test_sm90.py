@@ -18,7 +18,7 @@ import pytest
 import triton
 
 import forge_dsl
-from forge_dsl.kernels.launch import TileConfig
+from forge_dsl.kernels.policy import TileConfig
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")),
@@ -51,7 +51,7 @@ SHARED_MEMORY_PER_PROGRAM = 232448  # the H100/H200 maximum, 227 KiB
 SCRIPT = """
 import json, sys
 from dataclasses import asdict
-from forge_dsl.kernels.launch import TileConfig
+from forge_dsl.kernels.policy import TileConfig
 from forge_dsl.kernels.sm90 import compile_fused
 cases = json.loads(sys.argv[1])
 print(json.dumps([asdict(compile_fused(name, layout, TileConfig.parse(config) if config else None, 2048, act, **hypers))
@@ -63,7 +63,7 @@ def _default_config(layout, activations):
     import torch
 
     from forge_dsl.kernels import gluon_lib
-    from forge_dsl.kernels.launch import fused_config
+    from forge_dsl.kernels.policy import fused_config
     # (stored_bytes only sets the warp-specialized epilogue's prefetch, which this test does not look at)
     return fused_config(2048, 4096, 4096, torch.device("cuda"), layout == "int8",
                         torch.float32 if activations != "bf16" else torch.bfloat16, hopper=gluon_lib.AVAILABLE,

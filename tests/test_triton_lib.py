@@ -28,7 +28,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from forge_dsl import layouts as L  # noqa: E402
-from forge_dsl.kernels.launch import rounding_code  # noqa: E402
+from forge_dsl.kernels.launches import rounding_code  # noqa: E402
 from forge_dsl.kernels import triton_lib as TL  # noqa: E402
 from forge_dsl.layouts import StateLayout  # noqa: E402
 
@@ -103,7 +103,7 @@ def run_weight(src, *, out_bf16=True, stochastic=False, seed=0, delta=None, bloc
     """src: 2-D fp32 or bf16 CPU tensor → dst (bf16 or fp32) CPU tensor.
 
     stochastic: with the STOCHASTIC code the library launches pick for this many columns
-    (`launch.rounding_code`: one hash per two elements when even); pairs=False forces one per element."""
+    (`launches.rounding_code`: one hash per two elements when even); pairs=False forces one per element."""
     rows, cols = src.shape
     code = rounding_code("stochastic" if stochastic else "nearest", cols)
     if stochastic and pairs is False:

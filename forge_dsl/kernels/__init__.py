@@ -12,6 +12,8 @@ torch's keyword names (`betas=(0.9, 0.999)` included); `state` is what
 """
 
 from .foreach import foreach_step
-from .launch import TileConfig, fused_linear_step, linear_step, mix_seed, slab_linear_step, step
+from .launch import ParamUpdate, fused_linear_step, linear_step, slab_linear_step, step
+from .launches import mix_seed
+from .policy import TileConfig
 
-__all__ = ["TileConfig", "foreach_step", "fused_linear_step", "linear_step", "mix_seed", "slab_linear_step", "step"]
+__all__ = ["ParamUpdate", "TileConfig", "foreach_step", "fused_linear_step", "linear_step", "mix_seed", "slab_linear_step", "step"]

@@ -26,7 +26,7 @@ handed back.
 
 Gluon is Triton's lower-level dialect (`triton.experimental.gluon`, Triton ≥ 3.6 here). It has no
 interpreter, so these kernels run only compiled on a GPU; `AVAILABLE` is False where this Triton
-lacks it, and then `fused_ws` is None (`launch.fused_config` never picks it).
+lacks it, and then `fused_ws` is None (`policy.fused_config` never picks it).
 """
 
 
@@ -79,6 +79,45 @@ def mma_layout(warps, block_k):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_k, 16])
 
 
+TIMELINE_SLOTS = tl.constexpr(16)  # int64 stamps per (program, tile) of a recorded timeline; 11 used
+
+
+@gluon_jit
+def ws_clock():
+    """The SM's cycle counter (%clock64), for a recorded timeline."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon_jit
+def ws_nanoseconds():
+    """The GPU's global timer (%globaltimer, ns), for a recorded timeline."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon_jit
+def ws_stamp(TL, j, slot: tl.constexpr, value, TIMELINE: tl.constexpr):
+    """Record `value` in slot `slot` of this program's tile j: TL [programs, TIMELINE, TIMELINE_SLOTS] int64
+    (tiles past TIMELINE are not recorded). Compiled only where the kernel records a timeline
+    (TIMELINE > 0, bench/ws_timeline.py); the slots are listed there."""
+    if TIMELINE > 0:
+        if j < TIMELINE:
+            gl.store(TL + (gl.program_id(0) * TIMELINE + j) * TIMELINE_SLOTS + slot, value)
+
+
+@gluon_jit
+def ws_stamp_clock(TL, j, slot: tl.constexpr, TIMELINE: tl.constexpr):
+    """`ws_stamp` of the cycle counter, read only where the kernel records a timeline."""
+    if TIMELINE > 0:
+        ws_stamp(TL, j, slot, ws_clock(), TIMELINE)
+
+
+@gluon_jit
+def ws_stamp_nanoseconds(TL, j, slot: tl.constexpr, TIMELINE: tl.constexpr):
+    """`ws_stamp` of the global timer, read only where the kernel records a timeline."""
+    if TIMELINE > 0:
+        ws_stamp(TL, j, slot, ws_nanoseconds(), TIMELINE)
+
+
 @gluon_jit
 def ws_tiles(N, K, BN: tl.constexpr, BK: tl.constexpr):
     """(first tile of this program, number of [BN, BK] tiles of W [N, K])."""
@@ -118,40 +157,59 @@ def ws_allocate(X, DY, STAGES: tl.constexpr, MMA_SLICES: tl.constexpr):
 
 
 @gluon_jit
-def ws_loader(X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr):
+def ws_loader(X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, TL, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr,
+              TIMELINE: tl.constexpr):
     """Worker partition (1 warp): for each tile and token block, wait for a free ring buffer and
-    start the TMA copies of X[t0:+BT, k-block] and DY[t0:+BT, n-block] into it (rows past T read 0)."""
+    start the TMA copies of X[t0:+BT, k-block] and DY[t0:+BT, n-block] into it (rows past T read 0).
+    Timeline: the cycles waited for free buffers, summed per tile (slot 8)."""
     BT: tl.constexpr = X.block_type.shape[0]
     BK: tl.constexpr = X.block_type.shape[1]
     BN: tl.constexpr = DY.block_type.shape[1]
     STAGES: tl.constexpr = x_bufs.type.shape[0]
     first, num_tiles = ws_tiles(N, K, BN, BK)
     it = 0
+    j = 0
     for tile in range(first, num_tiles, NUM_PROGRAMS):
         n_start, k_start = ws_tile_start(tile, N, K, BN, BK, GROUP_N)
+        if TIMELINE > 0:
+            waited = ws_clock() * 0
         for t0 in range(0, T, BT):
             s = it % STAGES
+            if TIMELINE > 0:
+                c0 = ws_clock()
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            if TIMELINE > 0:
+                waited += ws_clock() - c0
             mbarrier.expect(ready.index(s), X.block_type.nbytes + DY.block_type.nbytes)
             _tma_load(X, [t0, k_start], ready.index(s), x_bufs.index(s))
             _tma_load(DY, [t0, n_start], ready.index(s), dy_bufs.index(s))
             it += 1
+        if TIMELINE > 0:
+            ws_stamp(TL, j, 8, waited, TIMELINE)
+        j += 1
 
 
 @gluon_jit
-def ws_accumulate(X, DY, x_bufs, dy_bufs, ready, empty, it, T, n_start, k_start):
+def ws_accumulate(X, DY, x_bufs, dy_bufs, ready, empty, it, T, n_start, k_start, TL, j, TIMELINE: tl.constexpr):
     """In the mma partition (4 or 8 warps): (acc [BN, BK] fp32 = DY[:, n-block]ᵀ · X[:, k-block] over all T
     tokens, the ring position after them). wgmma with one asynchronous MMA in flight while the next block's
     copy lands; each ring buffer goes back to the loader once the MMA that read it is done. `it` counts the
-    ring's blocks over all of the program's tiles (the ring's phase)."""
+    ring's blocks over all of the program's tiles (the ring's phase). Timeline: the cycles waited for filled
+    buffers, summed over tile j's loop (slot 1)."""
     BT: tl.constexpr = X.block_type.shape[0]
     BK: tl.constexpr = X.block_type.shape[1]
     BN: tl.constexpr = DY.block_type.shape[1]
     STAGES: tl.constexpr = x_bufs.type.shape[0]
     acc = gl.zeros([BN, BK], gl.float32, mma_layout(gl.num_warps(), BK))
+    if TIMELINE > 0:
+        waited = ws_clock() * 0
     for t0 in range(0, T, BT):
         s = it % STAGES
+        if TIMELINE > 0:
+            c0 = ws_clock()
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if TIMELINE > 0:
+            waited += ws_clock() - c0
         acc = warpgroup_mma(dy_bufs.index(s).permute((1, 0)), x_bufs.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         # the MMA before this one has read its buffer: hand it back to the loader
@@ -159,16 +217,20 @@ def ws_accumulate(X, DY, x_bufs, dy_bufs, ready, empty, it, T, n_start, k_start)
         it += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=T > 0)
+    if TIMELINE > 0:
+        ws_stamp(TL, j, 1, waited, TIMELINE)
     return acc, it
 
 
 @gluon_jit
-def ws_hand_over(acc, acc_smem, acc_ready, acc_empty, j):
+def ws_hand_over(acc, acc_smem, acc_ready, acc_empty, j, TL, TIMELINE: tl.constexpr):
     """In the mma partition: wait until every reader of the program's tile j - 1 is done with acc_smem, store
-    tile j's acc there and signal acc_ready."""
+    tile j's acc there and signal acc_ready. Timeline: acc_smem free (slot 3), tile j handed over (slot 4)."""
     mbarrier.wait(acc_empty, (j & 1) ^ 1)
+    ws_stamp_clock(TL, j, 3, TIMELINE)
     acc_smem.store(acc)
     mbarrier.arrive(acc_ready)
+    ws_stamp_clock(TL, j, 4, TIMELINE)
 
 
 @gluon_jit
@@ -221,15 +283,17 @@ def ws_row_slice(W, STATES, SCALES, HOST, b_grad, n_start, k_start, N, K, n_bloc
 
 
 @gluon_jit
-def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks,
+def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL,
                 UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
                 NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr,
-                EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr, MMA_SLICES: tl.constexpr):
+                EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr, MMA_SLICES: tl.constexpr,
+                TIMELINE: tl.constexpr):
     """The epilogue partition of `fused_ws`: for each of this program's tiles, wait for its dW in acc_smem
     [BN, BK], then update its weights and states a [SLICE_N, BK] row slice at a time (all but the last
     MMA_SLICES, which `ws_mma` updates). PREFETCH: each slice's loads go out before the update of the slice
     before it (the first slice's, before the tile's dW is ready), so the memory system always has a slice in
-    flight (more registers)."""
+    flight (more registers). Timeline: before waiting for tile j (slot 5), tile j ready (6), tile j done (7,
+    and the global timer in 10)."""
     BN: tl.constexpr = acc_smem.type.shape[0]
     BK: tl.constexpr = acc_smem.type.shape[1]
     SLICES: tl.constexpr = BN // SLICE_N - MMA_SLICES  # this partition's, per tile
@@ -241,7 +305,9 @@ def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N
             offs, mask, scale_offs = ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N, BK, EPILOGUE_WARPS)
             r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, SLICE_N,
                                               BK)
+        ws_stamp_clock(TL, j, 5, TIMELINE)
         mbarrier.wait(acc_ready, j & 1)
+        ws_stamp_clock(TL, j, 6, TIMELINE)
         for r in tl.static_range(SLICES):
             acc = ws_read_slice(acc_smem, acc_empty, r, SLICES - 1, SLICE_N, EPILOGUE_WARPS)  # [SLICE_N, BK] fp32
             if not PREFETCH:
@@ -258,18 +324,20 @@ def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N
                 if r + 1 < SLICES:
                     offs, mask, scale_offs = next_offs, next_mask, next_scale_offs
                     r_param, raws, scales = next_r_param, next_raws, next_scales
+        ws_stamp_clock(TL, j, 7, TIMELINE)
+        ws_stamp_nanoseconds(TL, j, 10, TIMELINE)
         j += 1
 
 
 @gluon_jit
 def ws_mma(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST, seed,
-           N, K, n_blocks, UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+           N, K, n_blocks, TL, UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
            LAYOUTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr,
-           MMA_SLICES: tl.constexpr):
+           MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr):
     """The mma partition of `fused_ws`: for each of this program's tiles, dW [BN, BK] by wgmma into acc_smem
     (`ws_accumulate`, `ws_hand_over`); then, while the epilogue updates the tile's other row slices, the last
     MMA_SLICES [SLICE_N, BK] ones here, before the next tile's token loop (worth it where that loop is shorter
-    than the epilogue)."""
+    than the epilogue). Timeline: tile j's loop start (slot 0, and the global timer in 9), loop end (2)."""
     BN: tl.constexpr = DY.block_type.shape[1]
     BK: tl.constexpr = X.block_type.shape[1]
     SLICES: tl.constexpr = BN // SLICE_N
@@ -279,8 +347,12 @@ def ws_mma(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty,
     j = 0
     for tile in range(first, num_tiles, NUM_PROGRAMS):
         n_start, k_start = ws_tile_start(tile, N, K, BN, BK, GROUP_N)
-        acc, it = ws_accumulate(X, DY, x_bufs, dy_bufs, ready, empty, it, T, n_start, k_start)  # [BN, BK] fp32
-        ws_hand_over(acc, acc_smem, acc_ready, acc_empty, j)
+        ws_stamp_clock(TL, j, 0, TIMELINE)
+        ws_stamp_nanoseconds(TL, j, 9, TIMELINE)
+        acc, it = ws_accumulate(X, DY, x_bufs, dy_bufs, ready, empty, it, T, n_start, k_start, TL, j,
+                                TIMELINE)  # [BN, BK] fp32
+        ws_stamp_clock(TL, j, 2, TIMELINE)
+        ws_hand_over(acc, acc_smem, acc_ready, acc_empty, j, TL, TIMELINE)
         for r in tl.static_range(SLICES - MMA_SLICES, SLICES):
             b_grad = ws_read_slice(acc_smem, acc_empty, r, SLICES - 1, SLICE_N, WARPS)  # [SLICE_N, BK] fp32
             ws_row_slice(W, STATES, SCALES, HOST, b_grad, n_start + r * SLICE_N, k_start, N, K, n_blocks, seed,
@@ -289,23 +361,26 @@ def ws_mma(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty,
 
 
 @gluon_jit(do_not_specialize=["seed", "T"])
-def fused_ws(X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks,
+def fused_ws(X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks, TL,
               UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
               NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, STAGES: tl.constexpr, SLICE_N: tl.constexpr,
               EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr, MMA_WARPS: tl.constexpr,
-              MMA_REGISTERS: tl.constexpr, MMA_SLICES: tl.constexpr):
+              MMA_REGISTERS: tl.constexpr, MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr):
     """`tile_kernels.fused` warp-specialized (Hopper, Gluon): NUM_PROGRAMS persistent programs, each a TMA
     loader warp (`ws_loader`), MMA_WARPS warps of `ws_mma` accumulating one tile's dW = DY[T, N]ᵀ · X[T, K]
     while the EPILOGUE_WARPS of `ws_epilogue` update the tile before it. X, DY: TMA descriptors with blocks
-    [BT, BK] and [BT, BN]; the other arguments as for `tile_kernels.fused`."""
+    [BT, BK] and [BT, BN]; the other arguments as for `tile_kernels.fused`. TIMELINE > 0: each partition
+    records when it waits and works, per tile, in TL [NUM_PROGRAMS, TIMELINE, TIMELINE_SLOTS] int64
+    (bench/ws_timeline.py); 0: nothing of it is compiled, and TL (any pointer) is never read."""
     x_bufs, dy_bufs, acc_smem, ready, empty, acc_ready, acc_empty = ws_allocate(X, DY, STAGES, MMA_SLICES)
     gl.warp_specialize([
-        (ws_epilogue, (W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, UPDATE, W_BF16,
-                       STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N, EPILOGUE_WARPS, PREFETCH, MMA_SLICES)),
-        (ws_loader, (X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, NUM_PROGRAMS, GROUP_N)),
+        (ws_epilogue, (W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL, UPDATE,
+                       W_BF16, STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N, EPILOGUE_WARPS, PREFETCH,
+                       MMA_SLICES, TIMELINE)),
+        (ws_loader, (X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, TL, NUM_PROGRAMS, GROUP_N, TIMELINE)),
         (ws_mma, (X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST,
-                  seed, N, K, n_blocks, UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N,
-                  MMA_SLICES)),
+                  seed, N, K, n_blocks, TL, UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N,
+                  MMA_SLICES, TIMELINE)),
     ], [1, MMA_WARPS], [24, MMA_REGISTERS])
 
 
@@ -316,7 +391,7 @@ def fused_ws(X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks,
 
 def descriptor(t, block_shape: list[int]):
     """A Gluon TMA descriptor of the 2-D bf16 activation `t` [T, C] with blocks `block_shape` [BT, BC]
-    (`launch.tma_compatible(t)` must hold); the shared-memory layout is the 128-byte swizzle wgmma reads."""
+    (`checks.tma_compatible(t)` must hold); the shared-memory layout is the 128-byte swizzle wgmma reads."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t, block_shape, shared_layout(tuple(block_shape)))

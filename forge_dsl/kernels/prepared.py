@@ -165,7 +165,7 @@ class NotReusable(Exception):
 class PreparedLaunch:
     """One checked warp-specialized launch, to be repeated with new activations, keywords, step and seed.
 
-    Built from the arguments `launch._launch_warp_specialized` passed `gluon_lib.fused_ws[(programs,)](*args,
+    Built from the arguments `launches.launch_warp_specialized` passed `gluon_lib.fused_ws[(programs,)](*args,
     **kwargs)` and the compiled kernel that call returned; each argument is found by its parameter's name.
     `launch` takes tensors of that call's metadata: x [..., K], dy [..., N] (bf16), weight [N, K] and the
     state entries the variant reads (`names`, with each int8 / uint8 state's `<name>.scale`). `kernels` maps
@@ -194,8 +194,11 @@ class PreparedLaunch:
         slot = {name: i for i, name in enumerate(params)}
         self._x, self._dy, self._w = slot["X"], slot["DY"], slot["W"]
         self._states, self._scales, self._host, self._seed = slot["STATES"], slot["SCALES"], slot["HOST"], slot["seed"]
+        self._timeline = slot["TL"]  # never read without a recorded timeline: the weight's pointer
         self._N, self._K = template[slot["N"]], template[slot["K"]]
-        for i in (self._x, self._dy, self._w, self._states, self._scales):  # replaced on every call: keep no tensor
+        if template[slot["TIMELINE"]]:
+            raise NotReusable("a launch that records a timeline (bench/ws_timeline.py)")
+        for i in (self._x, self._dy, self._w, self._states, self._scales, self._timeline):  # replaced on every call
             template[i] = None
         self._template = template
         self._grid = programs
@@ -211,7 +214,7 @@ class PreparedLaunch:
     def launch(self, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state, hypers: dict, step: int,
                seed: int) -> Optional[dict]:
         """One step of this layer: host scalars from `hypers` (the resolved keywords of this call) and the
-        scalar state, the descriptors, the launch on the current stream (`seed`: `launch.mix_seed` of the
+        scalar state, the descriptors, the launch on the current stream (`seed`: `launches.mix_seed` of the
         call's seed and step). Returns the scalar state's new values for the caller to commit, or None
         (nothing launched) where this step's host scalars need a kernel not compiled for this entry yet,
         or where a pre-run hook was set on the kernel since."""
@@ -229,6 +232,7 @@ class PreparedLaunch:
         args[self._dy] = descriptor(dy if dy.dim() == 2 else dy.reshape(-1, self._N), self._dy_block)
         # the launcher reads data_ptr() alone: no int16 views needed
         args[self._w] = weight
+        args[self._timeline] = weight
         args[self._states] = tuple(state[key] for key in self.state_keys)
         args[self._scales] = tuple(state[key] for key in self.scale_keys)
         args[self._host] = exports

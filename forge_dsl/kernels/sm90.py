@@ -29,7 +29,10 @@ import torch
 from ..api import SpecLike, builtin_names, init_state, load_spec
 from ..layouts import StateLayout, is_quantized
 from . import gluon_lib, tile_kernels
-from .launch import TileConfig, _prepare_state, _variant, any_quantized, fused_config, rounding_code, stored_bytes
+from .checks import any_quantized
+from .launch import ParamUpdate
+from .launches import fused_constexprs, rounding_code, ws_constexprs
+from .policy import TileConfig, fused_config, stored_bytes
 
 __all__ = ["Resources", "compile_fused", "main"]
 
@@ -69,8 +72,8 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     spec = load_spec(spec)
     weight = torch.zeros(128, 128, dtype=torch.bfloat16)
     state = init_state(spec, weight, layout=layout, **hypers)
-    update, names, exports, _ = _variant(spec, hypers, 1, state)
-    states = _prepare_state(spec, names, state, weight)
+    bound = ParamUpdate(spec, weight, state, step=1, **hypers)
+    update, exports, states = bound.update, bound.exports, bound.states
     fp32 = activations in ("fp32", "tf32")
     cfg = config or fused_config(T, 4096, 4096, torch.device("cuda"), any_quantized(states.layouts),
                                  torch.float32 if fp32 else torch.bfloat16, hopper=gluon_lib.AVAILABLE,
@@ -78,20 +81,14 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     act = "fp32" if fp32 else "bf16"
     precision = {"fp32": "ieee", "tf32": "tf32"}.get(activations)
     stochastic = rounding_code("stochastic", 4096)  # a 4096² layer: one hash per two elements
-    common = {"UPDATE": update, "W_BF16": True, "STOCHASTIC": stochastic, "LAYOUTS": states.layouts}
     if cfg.warp_specialized:
         if fp32 or gluon_lib.fused_ws is None:
             raise ValueError("the warp-specialized kernel needs bf16 activations and Triton ≥ 3.6 with Gluon")
         fused = gluon_lib.fused_ws
-        constexprs = {**common, "NUM_PROGRAMS": 132, "GROUP_N": cfg.group_n, "STAGES": cfg.num_stages,
-                      "SLICE_N": cfg.block_n // cfg.epilogue_split, "EPILOGUE_WARPS": cfg.num_warps,
-                      "PREFETCH": cfg.prefetch, "MMA_WARPS": cfg.mma_warps, "MMA_REGISTERS": cfg.mma_registers,
-                      "MMA_SLICES": cfg.mma_slices}
+        constexprs = ws_constexprs(cfg, update, True, stochastic, states.layouts, 132)
     else:
         fused = tile_kernels.fused
-        constexprs = {**common, "DOT_FP32": fp32, "INPUT_PRECISION": precision, "BLOCK_T": cfg.block_t,
-                      "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_N": cfg.group_n,
-                      "K_HALVES": cfg.k_halves, "EPILOGUE_SPLIT": cfg.epilogue_split, "TMA": cfg.tma,
+        constexprs = {**fused_constexprs(cfg, update, True, stochastic, states.layouts, fp32, precision, cfg.tma),
                       "stride_xk": 1, "stride_dyn": 1}
     storage = tuple(_STATE_POINTER[StateLayout(code)] for code in states.layouts)
     signature = {}
@@ -105,7 +102,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
             signature[arg] = f"tensordesc<{act}{cfg.tma_blocks[0 if arg == 'X' else 1]}>"
         elif arg in ("X", "DY"):
             signature[arg] = f"*{act}"
-        elif arg == "W":
+        elif arg in ("W", "TL"):  # TL: the timeline buffer, never read without one (the weight's pointer)
             signature[arg] = "*i16"
         elif arg == "STATES":
             signature[arg] = storage

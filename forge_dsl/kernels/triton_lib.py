@@ -59,7 +59,7 @@ QBLOCK = tl.constexpr(64)  # forge_dsl.layouts.BLOCK
 R255 = tl.constexpr(0.003921568859368563)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
-# How `store_weight` writes a bf16 weight: its STOCHASTIC argument (`launch.rounding_code` picks it).
+# How `store_weight` writes a bf16 weight: its STOCHASTIC argument (`launches.rounding_code` picks it).
 ROUND_NEAREST = tl.constexpr(0)
 ROUND_STOCHASTIC = tl.constexpr(1)  # any tile
 ROUND_STOCHASTIC_PAIRS = tl.constexpr(2)  # one hash per two elements; needs an even number of columns
@@ -371,7 +371,7 @@ def store_weight(ptr, value, offs, mask, seed, W_BF16: tl.constexpr, STOCHASTIC:
     STOCHASTIC says (ignored for fp32): ROUND_NEAREST (0, or False) to nearest even,
     ROUND_STOCHASTIC (1, or True) stochastically, ROUND_STOCHASTIC_PAIRS (2) the same
     bits with one hash per two neighbours, where every tile row starts at an even
-    element index (`launch.rounding_code` picks it from the number of columns).
+    element index (`launches.rounding_code` picks it from the number of columns).
 
     seed: a Python int in [0, 2**63), the key of `random_bits`. The
     caller mixes (user seed, step) into it; the random bits of element `offs`
@@ -412,7 +412,7 @@ def block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K: tl.constexpr):
     tensor: row * n_blocks + column // 64, for rows offs_n [BLOCK_N] and columns k_start + [0, BLOCK_K)
     (k_start a multiple of 64). The state helpers take them as `scale_offs`; the warp-specialized
     kernel builds its own in Gluon (`gluon_lib.ws_slice_offsets`). A slice narrower than a block
-    (BLOCK_K < 64, never with int8 state: `launch.check_config`) gets [BLOCK_N, 1], its block's."""
+    (BLOCK_K < 64, never with int8 state: `checks.check_config`) gets [BLOCK_N, 1], its block's."""
     if BLOCK_K >= 64:
         j = tl.arange(0, BLOCK_K // 64)
     else:

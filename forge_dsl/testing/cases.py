@@ -46,7 +46,7 @@ SLAB_ROWS = 20  # the slab path's slabs in a case: 20 rows, so 72 rows end in a 
 
 
 def _tile_configs():
-    from ..kernels.launch import TileConfig
+    from ..kernels.policy import TileConfig
 
     # The fused kernel's other epilogues, with the activations read through TMA descriptors and 32-token
     # blocks (T = 40 takes two, the second ragged): the tile accumulated as two column halves and updated
@@ -249,7 +249,7 @@ def _exact_dw(case: Case, x: torch.Tensor, dy: torch.Tensor, w_shape) -> torch.T
     except on the slab path with bf16 activations, whose dW is a bf16 product like autograd's (the same
     GEMMs, slab by slab)."""
     if case.path == "slab" and x.dtype == torch.bfloat16:
-        from ..kernels.launch import slab_rows
+        from ..kernels.policy import slab_rows
 
         n = dy.shape[1]
         rows = slab_rows(n, x.shape[1], x.element_size(), _slab_bytes(case, x))

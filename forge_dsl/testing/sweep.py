@@ -152,9 +152,9 @@ def plan_kernel_cases(spec: SpecLike, *, quick: bool = False, steps: Optional[in
     loaded, ref = _spec_ref(spec)
     device = torch.device(device) if device is not None else _default_device()
     steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
-    from ..kernels import launch
+    from ..kernels import policy
 
-    hopper = launch._hopper_with_gluon(device)
+    hopper = policy.hopper_with_gluon(device)
     ws_paths = (["ws"] if quick else list(WS_EPILOGUES)) if hopper else []
     base = Case(spec=ref, path="fused", steps=steps, device=str(device))
     for index, combo in enumerate(combos_for(loaded, quick)):
