@@ -20,7 +20,7 @@ from .checker import check_spec
 from .config import resolve_hypers
 from .errors import Loc, SpecError, did_you_mean
 from .parser import parse_spec
-from .layouts import as_rows, quantize, resolve_layout, rows_cols
+from .layouts import as_rows, quantize, resolve_layout, rows_cols, storage_shape
 from .reference import ParamCopy, initial_scalars, initial_values, plain_state
 
 __all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "state_layout", "SpecLike"]
@@ -130,14 +130,17 @@ def init_state(
         spec: built-in name, path or loaded spec.
         param: the parameter (any shape); states are created on its device.
         layout: None keeps every state in `param`'s dtype (what `reference_step`
-            runs on); "fp32", "bf16" or "int8" sets all states (for the kernels);
-            a dict sets them per state name (missing names: "fp32").  "int8"
-            quantizes blocks of 64 elements along the last dim with one fp32
-            scale each, stored under "<name>.scale"; states declared `nonneg`
-            use the unsigned map; a state whose last dim is below 64 stays fp32.
-            States that must stay exact (`ir.State.must_stay_exact`: declared
-            `exact`, or starting from `param`) are kept in fp32 under "bf16" and
-            "int8"; a dict that names another layout for one raises (`state_layout`).
+            runs on); "fp32", "bf16", "int8" or "int4" sets all states (for the
+            kernels); a dict sets them per state name (missing names: "fp32").
+            "int8" and "int4" quantize blocks of 64 elements along the last dim
+            with one fp32 scale each, stored under "<name>.scale"; states declared
+            `nonneg` use the unsigned maps; a state whose last dim is below 64
+            stays fp32. "int4" stores two codes a byte, `[..., cols / 2]` (int8;
+            uint8 for nonneg states), and keeps a state of an odd last dim fp32
+            (`forge_dsl.layouts`). States that must stay exact
+            (`ir.State.must_stay_exact`: declared `exact`, or starting from `param`)
+            are kept in fp32 under "bf16", "int8" and "int4"; a dict that names
+            another layout for one raises (`state_layout`).
         initial_hypers: hyperparameter values (scalar names, e.g. `lr`, `beta1`) that
             initial values read instead of those in `hypers`: `ForgeOptimizer` passes
             the values its param group had at construction, before any LR schedule.
@@ -146,8 +149,8 @@ def init_state(
             (e.g. Adagrad's `initial_accumulator_value`).
 
     Returns:
-        dict: each per-element state (a tensor shaped like `param`) and each
-        scalar state (a 0-dim float64 CPU tensor), by name.
+        dict: each per-element state (a tensor shaped like `param`; int4 codes
+        `[..., cols / 2]`) and each scalar state (a 0-dim float64 CPU tensor), by name.
     """
     spec = load_spec(spec)
     cfg = resolve_hypers(spec, hypers, caller="init_state")
@@ -175,13 +178,13 @@ def init_state(
         code = resolve_layout(state_layout(spec, s, layout), s.nonneg, param.shape)
         if isinstance(value, ParamCopy):
             storage, scale = quantize(as_rows(value.of(param, torch.float32)), code)
-            out[s.name] = storage.reshape(param.shape)
+            out[s.name] = storage.reshape(storage_shape(code, param.shape))
         else:
             # Every row starts equal: encode one row and repeat it, so a large parameter never needs
             # a float32 copy of its state (5.8 GiB for AdamW on a 151936 × 5120 embedding).
             row = torch.full((1, cols), value, dtype=torch.float32, device=param.device)
             storage, scale = quantize(row, code)
-            out[s.name] = storage.expand(rows, cols).contiguous().reshape(param.shape)
+            out[s.name] = storage.expand(rows, storage.shape[1]).contiguous().reshape(storage_shape(code, param.shape))
             if scale is not None:
                 scale = scale.expand(rows, scale.shape[1]).contiguous()
         if scale is not None:
@@ -193,7 +196,7 @@ def state_layout(spec: ir.Spec, state: ir.State, layout: Union[str, Mapping[str,
     """The layout name one state gets from `init_state`'s `layout` (a name for all states, or a dict).
 
     The rule for states that must stay exact (`ir.State.must_stay_exact`): a layout named for all
-    states leaves them in "fp32"; a dict that names "bf16" or "int8" for one is refused, since its
+    states leaves them in "fp32"; a dict that names "bf16", "int8" or "int4" for one is refused, since its
     values (weight-like ones, for a state that starts from `param`) would lose their precision.
     """
     if isinstance(layout, Mapping):

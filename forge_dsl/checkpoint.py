@@ -6,6 +6,8 @@
     sd["state"][j]                    # {"exp_avg": int8 [N, K], "exp_avg.scale": float32 [N, ceil(K / 64)],
                                       #  "exp_avg_sq": uint8 [N, K], "exp_avg_sq.scale": float32 [N, ceil(K / 64)],
                                       #  "step": float32 [], "seed": int64 [], <scalar states>: float64 []}
+                                      # (state_dtype "int4": "exp_avg" int8 [N, K / 2], "exp_avg_sq" uint8
+                                      #  [N, K / 2], two 4-bit codes a byte, the same scales)
 
 Where the metadata lives, and why: in every param group. torch.distributed.checkpoint keeps an optimizer's
 "state" and "param_groups" and nothing else: `get_optimizer_state_dict` rebuilds the dict from those two (a
@@ -36,7 +38,8 @@ import torch
 from . import ir
 from .api import state_layout
 from .config import check_seed, resolve_hypers
-from .layouts import StateLayout, is_quantized, layout_of_dtype, n_blocks, resolve_layout, rows_cols, storage_dtype
+from .layouts import (FOUR_BIT_LAYOUTS, StateLayout, is_quantized, layout_of, n_blocks, resolve_layout, rows_cols,
+                      storage_dtype, storage_shape)
 from .printer import print_spec
 from .reference import initial_values
 
@@ -52,6 +55,8 @@ _LAYOUT_WORDS = {
     StateLayout.BF16: "bf16",
     StateLayout.INT8: "int8",
     StateLayout.UINT8_SQRT: "uint8 (sqrt map)",
+    StateLayout.INT4: "int4",
+    StateLayout.UINT4: "uint4 (no-zero map)",
 }
 
 
@@ -244,20 +249,22 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
                 f"optimizer's own state (dcp.load keeps the dtypes of the state dict it is given). Construct the "
                 f"optimizer with state_dtype={state_dtype!r}, as the one that saved it, before loading"
             )
-        if tuple(t.shape) != tuple(p.shape):
+        want_shape = storage_shape(layout, p.shape)
+        if tuple(t.shape) != want_shape:
+            packed = f" (int4 codes, two a byte: {want_shape})" if layout in FOUR_BIT_LAYOUTS else ""
             raise ValueError(f"state_dict's '{s.name}' of {label} has shape {tuple(t.shape)}, the parameter "
-                             f"{tuple(p.shape)}: the state dict is for another model, or its parameters are in "
-                             "another order")
+                             f"{tuple(p.shape)}{packed}: the state dict is for another model, or its parameters are "
+                             "in another order")
         out[s.name] = t.to(p.device, copy=True)
         expected.add(s.name)
         if is_quantized(layout):
             if scale_name not in values:
-                raise ValueError(f"state_dict's int8 '{s.name}' of {label} has no '{scale_name}' (its block scales): "
-                                 "the codes cannot be read without them")
+                raise ValueError(f"state_dict's {_BITS[layout]} '{s.name}' of {label} has no '{scale_name}' (its block "
+                                 "scales): the codes cannot be read without them")
             scale = _tensor(values[scale_name], f"'{scale_name}' of {label}")
             if scale.dtype != torch.float32 or tuple(scale.shape) != (rows, n_blocks(cols)):
                 raise ValueError(f"state_dict's '{scale_name}' of {label} is {scale.dtype} of shape "
-                                 f"{tuple(scale.shape)}; int8 '{s.name}' needs float32 of shape "
+                                 f"{tuple(scale.shape)}; {_BITS[layout]} '{s.name}' needs float32 of shape "
                                  f"({rows}, {n_blocks(cols)}) (one scale per 64 elements of a row)")
             out[scale_name] = scale.to(p.device, copy=True)
             expected.add(scale_name)
@@ -289,9 +296,18 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
     return out
 
 
+_BITS = {StateLayout.INT8: "int8", StateLayout.UINT8_SQRT: "int8", StateLayout.INT4: "int4", StateLayout.UINT4: "int4"}
+_CODE_WORDS = {
+    StateLayout.INT8: "int8 codes",
+    StateLayout.UINT8_SQRT: "uint8 codes (the sqrt map of a nonneg state)",
+    StateLayout.INT4: "int8 bytes of two int4 codes each",
+    StateLayout.UINT4: "uint8 bytes of two int4 codes each (the no-zero map of a nonneg state)",
+}
+
+
 def _storage_words(layout: StateLayout, scale_name: str, rows: int, cols: int) -> str:
     if is_quantized(layout):
-        codes = "int8 codes" if layout == StateLayout.INT8 else "uint8 codes (the sqrt map of a nonneg state)"
+        codes = _CODE_WORDS[layout]
         return f"{codes} with a float32 '{scale_name}' of shape ({rows}, {n_blocks(cols)})"
     return str(storage_dtype(layout))
 
@@ -326,7 +342,9 @@ def held_layouts(spec: ir.Spec, states: Iterable[Mapping[str, Any]]) -> Optional
         for s in spec.states:
             t = state.get(s.name)
             if isinstance(t, torch.Tensor):
-                word = _LAYOUT_WORDS.get(layout_of_dtype(t.dtype), str(t.dtype))
+                scale = state.get(f"{s.name}.scale")
+                word = _LAYOUT_WORDS.get(layout_of(t, scale=scale if isinstance(scale, torch.Tensor) else None),
+                                         str(t.dtype))
                 counts[s.name][word] = counts[s.name].get(word, 0) + 1
     counts = {name: c for name, c in counts.items() if c}
     if not counts:

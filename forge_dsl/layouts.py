@@ -1,16 +1,24 @@
 """Storage layouts of weights and optimizer state (torch side; the reference for the kernels).
 
-A state tensor is stored in one of four layouts (`StateLayout`). The Triton
+A state tensor is stored in one of six layouts (`StateLayout`). The Triton
 helpers in `forge_dsl.kernels.triton_lib` read and write exactly these layouts,
 with exactly the same fp32 formulas in the same order, so a kernel run in the
 Triton interpreter, a kernel run on the GPU and the functions here agree bit
 for bit.
 
 Every tensor is seen as a row-major 2-D matrix `[rows, cols]` whose columns are
-its last dimension (`as_rows`). Int8 layouts quantize blocks of `BLOCK` = 64
-consecutive elements along a row, with one fp32 scale per block, stored as a
-`[rows, n_blocks(cols)]` fp32 tensor; the last block of a row may be ragged
-(cols not a multiple of 64) and only its real elements set its scale.
+its last dimension (`as_rows`). The quantized layouts (8-bit and 4-bit) quantize
+blocks of `BLOCK` = 64 consecutive elements along a row, with one fp32 scale per
+block, stored as a `[rows, n_blocks(cols)]` fp32 tensor; the last block of a row
+may be ragged (cols not a multiple of 64) and only its real elements set its scale.
+
+Storage (`storage_dtype`, `storage_shape`, and `layout_of`, which tells a state tensor's layout from
+its dtype and shape): FP32 / BF16 / INT8 / UINT8_SQRT hold one element per entry, shaped like the
+parameter. The 4-bit layouts pack two codes per byte along a row, element 2j in the low nibble and
+2j + 1 in the high one of byte j, so a state of a `[..., cols]` parameter is `[..., cols / 2]`: int8
+for INT4, uint8 for UINT4 (the dtype says signed / nonneg as for the 8-bit layouts, the halved last
+dim says 4-bit). They need an even number of columns (`resolve_layout` keeps a state of an odd last
+dim in fp32), so a row's bytes never straddle rows and a tile's pairs never straddle tiles.
 
 The formulas (all fp32, every operation rounded to nearest even):
 
@@ -37,9 +45,31 @@ UINT8_SQRT (states declared nonneg, `uint8` storage):
     half-way point. The kernels find it without an IEEE square root (an approximate root
     is off by at most one code, and one comparison with the next threshold corrects it).
 
+INT4 (signed, `int8` storage, two codes a byte): the 16-value map of torchao's AdamW4bit first moment
+(bitsandbytes' dynamic-exponent map, `create_dynamic_map(signed=True, max_exponent_bits=3, total_bits=4)`,
+`INT4_MAP`, fp32): -0.8875 -0.6625 -0.4375 -0.2125 -0.0775 -0.0325 -0.0055 0 0.0055 0.0325 0.0775 0.2125
+0.4375 0.6625 0.8875 1 (fine near zero: steps of 0.0055 to 0.045 below 0.08; not symmetric: -1 is absent)
+    scale = max |x| over the block          (on the bit patterns; inf or NaN in the block: NaN)
+    inv   = 1 / scale                       (IEEE division)
+    y     = x * inv                         (in [-1 - 2**-23, 1 + 2**-23])
+    q     = #{k in 1..15 : y >= mu_k},  mu_k = fp32((p_{k-1} + p_k) / 2), p = INT4_MAP
+            (the nearest map value, ties up; `INT4_THRESHOLDS`); 7 (the value 0) where the block is not valid
+    x'    = scale * p_q
+
+UINT4 (states declared nonneg, `uint8` storage, two codes a byte): torchao's second-moment map, linear
+without zero: p_q = (q + 1) / 16, q = 0..15, so no value decodes to 0 unless its block's scale is 0 (the
+"zero-point problem" of 4-bit second moments, Li et al. 2023: a v decoded as 0 makes m / sqrt(v) explode)
+    x     = +0 where x < 0 or x is -0 (NaN of either sign stays NaN; done on bits)
+    scale = max x over the block            (inf or NaN in the block: NaN)
+    inv   = 16 / scale                      (IEEE division, once per block)
+    u     = x * inv                         (in [0, 16 (1 + 2**-23)])
+    q     = max(f + 1 if u >= f + 0.5 else f, 1) - 1,  f = floor(u)   (0 where the block is not valid)
+            (= #{k in 1..15 : u >= k + 0.5}, the nearest of 1..16, ties up: both exact)
+    x'    = scale * ((q + 1) * 0.0625)      (the second product is exact)
+
 A block is valid when its scale is finite, > 0, and its `inv` is finite (not for a
-scale below about 1e-37 (INT8) or 3e-39 (UINT8_SQRT), whose reciprocal overflows: such a
-block stores codes 0 and reads back as zeros).
+scale below about 1e-37 (INT8), 3e-39 (UINT8_SQRT, INT4) or 5e-38 (UINT4), whose reciprocal
+overflows: such a block stores codes 0 (INT4: 7) and reads back as zeros, UINT4 as scale / 16).
 
 Why "f + 1 if y >= f + 0.5" and not "floor(y + 0.5)": on the GPU the compiler
 contracts a multiply followed by an add into one fused multiply-add, so
@@ -56,7 +86,9 @@ one pattern 0x7FC00000. A block whose
 scale is NaN or inf stores q = 0 and reads back as NaN (0 * inf = NaN): a
 non-finite state poisons its block, deterministically, on every backend (the
 NaN *payloads* of decoded values are not pinned: GPU arithmetic returns
-0x7FFFFFFF, x86 returns other patterns).
+0x7FFFFFFF, x86 returns other patterns). The 4-bit layouts store an inf block's
+scale as that NaN too (UINT4 has no zero code to turn inf into NaN), so they poison
+their blocks the same way.
 
 Error bounds (apart from a few fp32 ulps of scale):
     INT8:       |x - x'| <= scale / 254 (half a step)
@@ -65,6 +97,11 @@ Error bounds (apart from a few fp32 ulps of scale):
                 value just above the midpoint of u = sqrt(x/scale)*255 goes to the
                 upper code, which in the linear domain is up to scale / (4 * 255**2)
                 farther than half the gap.
+    INT4:       |x - x'| <= scale * (the distance from x / scale to the nearest map value)
+                <= 0.1125 * scale (half the widest gap, and -1 to -0.8875); below
+                0.08 * scale at most 0.0225 * scale, below 0.0055 * scale at most 0.00275 * scale.
+    UINT4:      |x - x'| <= scale / 32 (half a step) for x >= scale / 32, and
+                scale / 16 - x below (the map's smallest value is scale / 16); x' >= scale / 16 > 0.
 
 bf16 conversion is done on integer bits (`bf16_round_nearest_bits`,
 `bf16_from_bits`): round to nearest even, NaN → 0x7FFF, ±inf kept, subnormals
@@ -86,6 +123,14 @@ __all__ = [
     "StateLayout",
     "LAYOUT_NAMES",
     "R255",
+    "INT4_MAP",
+    "INT4_THRESHOLDS",
+    "QUANTIZED_LAYOUTS",
+    "FOUR_BIT_LAYOUTS",
+    "layout_of",
+    "storage_shape",
+    "is_quantized",
+    "holds_codes",
     "as_rows",
     "n_blocks",
     "resolve_layout",
@@ -110,7 +155,15 @@ def _sqrt_thresholds() -> Tensor:
 
 _SQRT_THRESHOLDS = _sqrt_thresholds()
 
-LAYOUT_NAMES = ("fp32", "bf16", "int8")
+# The INT4 map (torchao's / bitsandbytes' 4-bit dynamic-exponent map) as fp32, ascending; code 7 is 0.
+INT4_MAP = torch.tensor([-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+                         0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0], dtype=torch.float32)
+# mu_1..mu_15 of the INT4 encode: the midpoints of neighbouring map values, rounded to fp32 (the kernels
+# spell the same 15 numbers as literals, `triton_lib._int4_code`).
+INT4_THRESHOLDS = ((INT4_MAP[:-1].double() + INT4_MAP[1:].double()) / 2).to(torch.float32)
+INT4_ZERO = 7  # the INT4 code of 0
+
+LAYOUT_NAMES = ("fp32", "bf16", "int8", "int4")
 
 
 class StateLayout(enum.IntEnum):
@@ -118,6 +171,8 @@ class StateLayout(enum.IntEnum):
     BF16 = 1  # bfloat16 storage (round-to-nearest-even on write)
     INT8 = 2  # signed: int8 q in [-127, 127], scale = absmax of the block (fp32); x ≈ q * scale / 127
     UINT8_SQRT = 3  # unsigned (states declared nonneg): uint8 q in [0, 255], scale = max of block; x ≈ scale * (q / 255)**2
+    INT4 = 4  # signed, two codes a byte (int8 storage [..., cols / 2]): x ≈ scale * INT4_MAP[q], scale = absmax of block
+    UINT4 = 5  # unsigned (states declared nonneg), two codes a byte (uint8 storage): x ≈ scale * (q + 1) / 16
 
 
 _STORAGE_DTYPES = {
@@ -125,6 +180,8 @@ _STORAGE_DTYPES = {
     StateLayout.BF16: torch.bfloat16,
     StateLayout.INT8: torch.int8,
     StateLayout.UINT8_SQRT: torch.uint8,
+    StateLayout.INT4: torch.int8,
+    StateLayout.UINT4: torch.uint8,
 }
 
 
@@ -146,7 +203,7 @@ def as_rows(t: Tensor) -> Tensor:
 
 
 def n_blocks(cols: int) -> int:
-    """Number of int8 blocks in a row of `cols` elements: ceil(cols / 64)."""
+    """Number of quantization blocks in a row of `cols` elements: ceil(cols / 64)."""
     return -(-int(cols) // BLOCK)
 
 
@@ -154,12 +211,14 @@ def resolve_layout(name: str, nonneg: bool, shape: Sequence[int]) -> StateLayout
     """The layout of one state tensor.
 
     Args:
-        name: the requested storage, one of "fp32", "bf16", "int8".
-        nonneg: the state is declared nonneg (int8 then uses the unsigned sqrt map).
+        name: the requested storage, one of "fp32", "bf16", "int8", "int4".
+        nonneg: the state is declared nonneg (int8 / int4 then use their unsigned maps).
         shape: the state's shape (that of its parameter).
 
-    "int8" gives INT8 or UINT8_SQRT by `nonneg`, but FP32 when the last dim is
-    smaller than one block (64): states smaller than a block stay fp32.
+    "int8" gives INT8 or UINT8_SQRT by `nonneg`, "int4" INT4 or UINT4, but both give
+    FP32 when the last dim is smaller than one block (64): states smaller than a block
+    stay fp32; "int4" also gives FP32 for an odd last dim (two codes share a byte, and
+    a row's last byte would hold a code of the next row).
     """
     if isinstance(name, StateLayout):
         return name
@@ -174,21 +233,60 @@ def resolve_layout(name: str, nonneg: bool, shape: Sequence[int]) -> StateLayout
     _, cols = rows_cols(shape)
     if cols < BLOCK:
         return StateLayout.FP32
+    if name == "int4":
+        if cols % 2:
+            return StateLayout.FP32
+        return StateLayout.UINT4 if nonneg else StateLayout.INT4
     return StateLayout.UINT8_SQRT if nonneg else StateLayout.INT8
 
 
 def storage_dtype(layout) -> torch.dtype:
-    """float32, bfloat16, int8 or uint8 for FP32, BF16, INT8, UINT8_SQRT."""
+    """float32, bfloat16, int8, uint8, int8, uint8 for FP32, BF16, INT8, UINT8_SQRT, INT4, UINT4."""
     return _STORAGE_DTYPES[StateLayout(layout)]
 
 
-_LAYOUT_OF_DTYPE = {dtype: layout for layout, dtype in _STORAGE_DTYPES.items()}
-QUANTIZED_LAYOUTS = frozenset({StateLayout.INT8, StateLayout.UINT8_SQRT})  # codes plus per-block fp32 scales
+QUANTIZED_LAYOUTS = frozenset({StateLayout.INT8, StateLayout.UINT8_SQRT, StateLayout.INT4, StateLayout.UINT4})
+FOUR_BIT_LAYOUTS = frozenset({StateLayout.INT4, StateLayout.UINT4})  # two codes a byte
+_BYTE_LAYOUTS = {torch.int8: (StateLayout.INT8, StateLayout.INT4), torch.uint8: (StateLayout.UINT8_SQRT, StateLayout.UINT4)}
+_WHOLE_LAYOUTS = {torch.float32: StateLayout.FP32, torch.bfloat16: StateLayout.BF16}
 
 
-def layout_of_dtype(dtype: torch.dtype) -> Optional[StateLayout]:
-    """The layout a state tensor of this storage dtype holds (None: no layout stores it)."""
-    return _LAYOUT_OF_DTYPE.get(dtype)
+def storage_shape(layout, param_shape: Sequence[int]) -> Tuple[int, ...]:
+    """The shape of a state's storage in `layout` for a parameter of `param_shape`: the parameter's, but
+    `[..., cols / 2]` for the 4-bit layouts (whose `resolve_layout` guarantees an even cols >= 64)."""
+    shape = tuple(int(s) for s in param_shape)
+    if StateLayout(layout) in FOUR_BIT_LAYOUTS:
+        return shape[:-1] + (shape[-1] // 2,)
+    return shape
+
+
+def layout_of(t: Tensor, param_shape: Optional[Sequence[int]] = None, *, scale: Optional[Tensor] = None
+              ) -> Optional[StateLayout]:
+    """The layout a state tensor holds, or None where no layout stores its dtype.
+
+    float32 and bfloat16 storage: FP32 and BF16. int8 / uint8 storage holds 8-bit codes (INT8 /
+    UINT8_SQRT) or 4-bit pairs (INT4 / UINT4), told apart by the shape: given the parameter's shape,
+    4-bit where `t` is `storage_shape(INT4, param_shape)` (the parameter's last dim halved, never the
+    parameter's own shape); given only the codes' block `scale` `[rows, nb]` (where no parameter is at
+    hand, e.g. a state dict's entries), 4-bit where the scales cover twice the codes' columns (8-bit
+    codes have cols >= 64 and n_blocks(cols) scales a row). Other shapes are the caller's to refuse
+    (`storage_shape`); with neither argument, int8 / uint8 read as their 8-bit layouts.
+    """
+    whole = _WHOLE_LAYOUTS.get(t.dtype)
+    if whole is not None:
+        return whole
+    pair = _BYTE_LAYOUTS.get(t.dtype)
+    if pair is None:
+        return None
+    eight, four = pair
+    if param_shape is not None:
+        shape = tuple(int(s) for s in param_shape)
+        half = storage_shape(four, shape) if shape and shape[-1] >= BLOCK and shape[-1] % 2 == 0 else None
+        return four if tuple(t.shape) == half else eight
+    if scale is not None and t.dim() > 0:
+        cols = t.shape[-1]
+        return four if cols < BLOCK or scale.shape[-1] != n_blocks(cols) else eight
+    return eight
 
 
 def is_quantized(layout) -> bool:
@@ -197,8 +295,9 @@ def is_quantized(layout) -> bool:
 
 
 def holds_codes(t: Tensor) -> bool:
-    """Whether a state tensor holds block-quantized codes (int8 or uint8 storage; its scales sit beside it)."""
-    return is_quantized(_LAYOUT_OF_DTYPE.get(t.dtype))
+    """Whether a state tensor holds block-quantized codes, 8-bit or 4-bit (int8 or uint8 storage; its scales sit
+    beside it under `<name>.scale`)."""
+    return t.dtype in _BYTE_LAYOUTS
 
 
 def bf16_round_nearest_bits(x: Tensor) -> Tensor:
@@ -265,11 +364,27 @@ def _valid_scale(scale: Tensor) -> Tensor:
     return (scale > 0) & (scale < math.inf)
 
 
+def _pack_pairs(q: Tensor) -> Tensor:
+    """[rows, cols] codes in 0..15 (cols even) → [rows, cols / 2] uint8 bytes: low nibble the even column."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def _unpack_pairs(b: Tensor) -> Tensor:
+    """[rows, c] bytes (int8 or uint8) → [rows, 2c] codes 0..15 as int64 (inverse of `_pack_pairs`)."""
+    b = b.to(torch.int64) & 0xFF
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], 2 * b.shape[1])
+
+
 def quantize(x: Tensor, layout) -> Tuple[Tensor, Optional[Tensor]]:
     """Encode `x` (any float dtype and shape) in `layout`.
 
-    Returns `(storage, scale)`: `storage` shaped like `x` in `storage_dtype(layout)`;
-    `scale` a `[rows, n_blocks(cols)]` fp32 tensor for the int8 layouts, else None.
+    Returns `(storage, scale)`: `storage` of `storage_shape(layout, x.shape)` (x's shape; its last
+    dim halved for the 4-bit layouts) in `storage_dtype(layout)`; `scale` a `[rows, n_blocks(cols)]`
+    fp32 tensor for the quantized layouts, else None.
+
+    Raises:
+        ValueError: a 4-bit layout for an `x` whose last dim is odd (`resolve_layout` never picks one).
     """
     layout = StateLayout(layout)
     x = x.detach().to(torch.float32)
@@ -280,29 +395,49 @@ def quantize(x: Tensor, layout) -> Tuple[Tensor, Optional[Tensor]]:
 
     x2 = as_rows(x)
     rows, cols = x2.shape
-    if layout == StateLayout.UINT8_SQRT:
+    four = layout in FOUR_BIT_LAYOUTS
+    if four and cols % 2:
+        raise ValueError(f"{layout.name} packs two codes a byte along a row and needs an even last dim, got shape "
+                         f"{tuple(x.shape)}")
+    if layout in (StateLayout.UINT8_SQRT, StateLayout.UINT4):
         x2 = _clamp_nonneg(x2)
     x3, nb = _padded_blocks(x2)
     scale = _block_absmax(x3)  # [rows, nb]
+    if four:  # an inf block's scale is the NaN pattern too
+        scale = torch.where(torch.isinf(scale), torch.full_like(scale, math.nan), scale)
     ok = _valid_scale(scale)
     s3 = scale[..., None]
     ok3 = ok[..., None]
-    # INT8: y = x * (127 / scale); UINT8_SQRT: t = x * (1 / scale). One division per block, not per element.
-    inv = torch.full_like(s3, 127.0 if layout == StateLayout.INT8 else 1.0) / s3
+    # INT8: y = x * (127 / scale); UINT4: u = x * (16 / scale); UINT8_SQRT, INT4: x * (1 / scale). One division
+    # per block, not per element.
+    inv = torch.full_like(s3, _INV_NUMERATOR[layout]) / s3
     ok3 = ok3 & (inv < math.inf)  # a tiny scale's reciprocal overflows: codes 0
     inv = torch.where(ok3, inv, torch.zeros_like(inv))
     y = torch.where(ok3, x3, torch.zeros_like(x3)) * inv
     if layout == StateLayout.INT8:
         q = _round_half_up(y).to(torch.int8)
-    else:
+    elif layout == StateLayout.UINT8_SQRT:
         thresholds = _SQRT_THRESHOLDS.to(y.device)
         q = torch.searchsorted(thresholds, y.contiguous(), right=True).to(torch.uint8)  # thresholds <= y
-    q = q.reshape(rows, nb * BLOCK)[:, :cols].reshape(x.shape).contiguous()
-    return q, scale.contiguous()
+    elif layout == StateLayout.INT4:
+        q = torch.searchsorted(INT4_THRESHOLDS.to(y.device), y.contiguous(), right=True)  # invalid blocks: y = 0 → 7
+    else:
+        q = (_round_half_up(y) - 1.0).clamp_min(0.0).to(torch.int64)  # u <= 16 (1 + 2**-23)**2: q <= 15
+    q = q.reshape(rows, nb * BLOCK)[:, :cols]
+    if four:
+        packed = _pack_pairs(q)
+        if layout == StateLayout.INT4:
+            packed = packed.view(torch.int8)
+        return packed.reshape(storage_shape(layout, x.shape)).contiguous(), scale.contiguous()
+    return q.reshape(x.shape).contiguous(), scale.contiguous()
+
+
+_INV_NUMERATOR = {StateLayout.INT8: 127.0, StateLayout.UINT8_SQRT: 1.0, StateLayout.INT4: 1.0, StateLayout.UINT4: 16.0}
 
 
 def dequantize(storage: Tensor, scale: Optional[Tensor], layout) -> Tensor:
-    """Decode `storage` (and its block `scale`) from `layout` → fp32 tensor shaped like `storage`."""
+    """Decode `storage` (and its block `scale`) from `layout` → fp32 tensor shaped like the parameter:
+    like `storage`, its last dim doubled for the 4-bit layouts."""
     layout = StateLayout(layout)
     if layout == StateLayout.FP32:
         return storage.to(torch.float32)
@@ -316,6 +451,10 @@ def dequantize(storage: Tensor, scale: Optional[Tensor], layout) -> Tensor:
     if scale is None:
         raise ValueError(f"{layout.name} storage needs its block scale")
     q2 = as_rows(storage)
+    if layout in FOUR_BIT_LAYOUTS:
+        if storage.dim() == 0:
+            raise ValueError(f"{layout.name} storage holds pairs of codes along its last dim; got a 0-dim tensor")
+        q2 = _unpack_pairs(q2)
     rows, cols = q2.shape
     nb = n_blocks(cols)
     if tuple(scale.shape) != (rows, nb):
@@ -326,8 +465,13 @@ def dequantize(storage: Tensor, scale: Optional[Tensor], layout) -> Tensor:
         step = scale / torch.full_like(scale, 127.0)
         s = step.repeat_interleave(BLOCK, dim=1)[:, :cols]
         out = qf * s
-    else:
+    elif layout == StateLayout.UINT8_SQRT:
         s = scale.repeat_interleave(BLOCK, dim=1)[:, :cols]
         r = qf * R255
         out = (s * r) * r
+    else:
+        s = scale.repeat_interleave(BLOCK, dim=1)[:, :cols]
+        p = INT4_MAP.to(qf.device)[q2] if layout == StateLayout.INT4 else (qf + 1.0) * 0.0625
+        out = s * p
+        return out.reshape(tuple(storage.shape[:-1]) + (cols,))
     return out.reshape(storage.shape)

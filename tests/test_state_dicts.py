@@ -253,7 +253,7 @@ CORRUPTIONS = {
                           r"state for parameter 99, which none"),
     "other-spec": (_meta(spec="lion"), r"state_dict is for optimizer 'lion', this one runs 'adamw'"),
     "other-format": (_meta(format=2), r"format 2, this forge_dsl reads format 1"),
-    "bad-layout-name": (_meta(state_dtype="int4"), r"state_dtype 'int4': unknown state layout 'int4'"),
+    "bad-layout-name": (_meta(state_dtype="int2"), r"state_dtype 'int2': unknown state layout 'int2'"),
     "layout-type": (_meta(state_dtype=8), r"state_dtype 8; expected a layout name"),
     "bad-rounding": (_meta(rounding="up"), r"rounding 'up'; expected one of"),
     "bad-seed": (_meta(seed=None), r"metadata seed must be an integer, got NoneType"),

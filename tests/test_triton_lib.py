@@ -562,15 +562,17 @@ def test_resolve_layout_rules():
     assert R("int8", True, (63,)) == StateLayout.FP32
     assert R("int8", True, ()) == StateLayout.FP32
     assert R("int8", False, (63, 64)) == StateLayout.INT8
-    for bad in ["int4", "FP32", "float32", "", None]:
+    for bad in ["int2", "FP32", "float32", "", None]:
         with pytest.raises(ValueError, match="unknown state layout"):
             R(bad, False, (10, 100))
 
 
 def test_storage_dtypes_rows_blocks():
-    assert [L.storage_dtype(l) for l in StateLayout] == [torch.float32, torch.bfloat16, torch.int8, torch.uint8]
-    assert [int(l) for l in StateLayout] == [0, 1, 2, 3]
-    assert tuple(c.value for c in (TL.LAYOUT_FP32, TL.LAYOUT_BF16, TL.LAYOUT_INT8, TL.LAYOUT_UINT8_SQRT)) == (0, 1, 2, 3)
+    assert [L.storage_dtype(l) for l in StateLayout] == [torch.float32, torch.bfloat16, torch.int8, torch.uint8,
+                                                         torch.int8, torch.uint8]
+    assert [int(l) for l in StateLayout] == [0, 1, 2, 3, 4, 5]
+    assert tuple(c.value for c in (TL.LAYOUT_FP32, TL.LAYOUT_BF16, TL.LAYOUT_INT8, TL.LAYOUT_UINT8_SQRT,
+                                   TL.LAYOUT_INT4, TL.LAYOUT_UINT4)) == (0, 1, 2, 3, 4, 5)
     assert TL.R255.value == L.R255 and TL.QBLOCK.value == L.BLOCK == 64
     assert TL.FLT_MAX.value == torch.finfo(torch.float32).max
     assert L.as_rows(torch.zeros(2, 3, 5)).shape == (6, 5)

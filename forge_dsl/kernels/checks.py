@@ -12,7 +12,7 @@ from typing import Any, MutableMapping
 
 import torch
 
-from ..layouts import BLOCK, StateLayout, as_rows, is_quantized, layout_of_dtype, n_blocks
+from ..layouts import BLOCK, StateLayout, as_rows, is_quantized, layout_of, n_blocks, storage_shape
 from .policy import TileConfig, hopper_with_gluon, interpreting
 
 ROUNDINGS = ("stochastic", "nearest")
@@ -93,15 +93,17 @@ def bind_states(spec, names: tuple[str, ...], state: MutableMapping[str, torch.T
                 "create the state with forge_dsl.init_state(spec, param, layout=..., **hypers) using the same flags"
             )
         t = state[name]
-        if t.shape != weight.shape:
-            raise ValueError(f"state '{name}' has shape {tuple(t.shape)} but the parameter has {tuple(weight.shape)}")
+        layout = layout_of(t, weight.shape)
+        if layout is None:
+            raise ValueError(f"state '{name}' has dtype {t.dtype}; expected float32, bfloat16, int8 or uint8")
+        if tuple(t.shape) != storage_shape(layout, weight.shape):
+            raise ValueError(f"state '{name}' has shape {tuple(t.shape)} but the parameter has {tuple(weight.shape)}"
+                             + (" (int4 state holds two codes a byte: the parameter's shape with its last dim halved)"
+                                if t.dtype in (torch.int8, torch.uint8) else ""))
         if t.device != weight.device:
             raise ValueError(f"state '{name}' is on {t.device} but the parameter is on {weight.device}")
         if not t.is_contiguous():
             raise ValueError(f"state '{name}' must be contiguous")
-        layout = layout_of_dtype(t.dtype)
-        if layout is None:
-            raise ValueError(f"state '{name}' has dtype {t.dtype}; expected float32, bfloat16, int8 or uint8")
         if layout != StateLayout.FP32 and name in exact_states(spec):
             raise ValueError(f"state '{name}' of {spec.name} must stay exact (see forge_dsl.api.state_layout) but is "
                              f"stored as {t.dtype}; create it with forge_dsl.init_state, which keeps it float32")
@@ -110,7 +112,8 @@ def bind_states(spec, names: tuple[str, ...], state: MutableMapping[str, torch.T
             rows, cols = as_rows(weight).shape
             if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (rows, n_blocks(cols)):
                 raise ValueError(
-                    f"int8 state '{name}' needs '{name}.scale', a float32 tensor of shape ({rows}, {n_blocks(cols)})"
+                    f"{'int4' if layout in (StateLayout.INT4, StateLayout.UINT4) else 'int8'} state '{name}' needs "
+                    f"'{name}.scale', a float32 tensor of shape ({rows}, {n_blocks(cols)})"
                 )
             storage = t
         else:

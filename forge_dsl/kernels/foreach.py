@@ -16,10 +16,10 @@ on its own parameter. With `rounding="nearest"` the results are the same bits in
 interpreter; on the GPU the flat launch runs another specialization of the compiled kernel, which
 may contract another `a * b + c` into an FMA (a unit in the last place; tests/test_foreach.py).
 Two more things make it hold or bound it:
-  * int8 states are quantized in blocks of 64 consecutive elements of a row
-    (`forge_dsl.layouts`); the flat buffer's blocks are the parameters' own blocks only when
-    every parameter's last dimension is a multiple of 64, so `shared_launch_key` returns None
-    for any other parameter with int8 state;
+  * int8 and int4 states are quantized in blocks of 64 consecutive elements of a row
+    (`forge_dsl.layouts`); the flat buffer's blocks (and int4's bytes of two codes) are the
+    parameters' own only when every parameter's last dimension is a multiple of 64, so
+    `shared_launch_key` returns None for any other parameter with quantized state;
   * stochastic rounding draws its bits from `seed` and each element's offset in the flat
     buffer: the same distribution as separate launches, not the same bits.
 """
@@ -31,8 +31,7 @@ from typing import Any, Hashable, MutableMapping, Optional, Sequence
 import torch
 
 from ..api import SpecLike, load_spec
-from ..layouts import BLOCK, as_rows, n_blocks
-from ..layouts import holds_codes
+from ..layouts import BLOCK, as_rows, holds_codes, layout_of, n_blocks, storage_shape
 from .launch import step as elementwise_step
 
 __all__ = ["FOREACH_MAX_ELEMENTS", "foreach_step", "shared_launch_key"]
@@ -71,7 +70,8 @@ def shared_launch_key(spec: SpecLike, param: torch.Tensor, grad: torch.Tensor,
     if quantized and as_rows(param).shape[1] % BLOCK:
         return None
     scalars = tuple(float(state[s.name]) for s in spec.scalars if s.name in state)
-    return (param.device, param.dtype, grad.dtype, tuple((n, state[n].dtype) for n in names), scalars)
+    layouts = tuple((n, state[n].dtype, n.endswith(".scale") or layout_of(state[n], param.shape)) for n in names)
+    return (param.device, param.dtype, grad.dtype, layouts, scalars)
 
 
 def _check_one(spec, i: int, param: torch.Tensor, grad: torch.Tensor, state: MutableMapping[str, Any]) -> None:
@@ -83,7 +83,11 @@ def _check_one(spec, i: int, param: torch.Tensor, grad: torch.Tensor, state: Mut
     rows, cols = as_rows(param).shape
     for name in _state_tensors(spec, state):
         t = state[name]
-        want = (rows, n_blocks(cols)) if name.endswith(".scale") else tuple(param.shape)
+        layout = None if name.endswith(".scale") else layout_of(t, param.shape)
+        if name.endswith(".scale"):
+            want = (rows, n_blocks(cols))
+        else:  # the parameter's shape; int4 codes its last dim halved (an unknown dtype: the launch says so)
+            want = tuple(param.shape) if layout is None else storage_shape(layout, param.shape)
         if tuple(t.shape) != want:
             raise ValueError(f"states[{i}]['{name}'] has shape {tuple(t.shape)} but params[{i}] of shape "
                              f"{tuple(param.shape)} needs {want}; create it with "

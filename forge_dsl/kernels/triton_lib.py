@@ -32,7 +32,13 @@ kernel with `enable_fp_fusion=False` when results must match the interpreter
 bit for bit.
 
 Layout codes are the plain ints of `forge_dsl.layouts.StateLayout`:
-0 = FP32, 1 = BF16, 2 = INT8, 3 = UINT8_SQRT.
+0 = FP32, 1 = BF16, 2 = INT8, 3 = UINT8_SQRT, 4 = INT4, 5 = UINT4.
+
+The 4-bit layouts hold two codes a byte (element `offs` in byte `offs >> 1`, the low nibble for an
+even `offs`): that is the packed `[rows, cols / 2]` storage only because every row has an even number
+of columns (`forge_dsl.layouts.resolve_layout` keeps odd ones fp32) and tiles start at even columns.
+Loads read each element's byte and shift its nibble out; stores pair neighbours with
+`tl.reshape(..., (BLOCK_N, BLOCK_K // 2, 2))` + `tl.split` and write one byte per pair.
 
 Masks: `mask` must be the in-bounds mask of the tile (as from `tile_offsets`),
 possibly further restricted to whole rows. The int8 helpers set a block's scale
@@ -51,6 +57,8 @@ LAYOUT_FP32 = tl.constexpr(0)
 LAYOUT_BF16 = tl.constexpr(1)
 LAYOUT_INT8 = tl.constexpr(2)
 LAYOUT_UINT8_SQRT = tl.constexpr(3)
+LAYOUT_INT4 = tl.constexpr(4)
+LAYOUT_UINT4 = tl.constexpr(5)
 
 QBLOCK = tl.constexpr(64)  # forge_dsl.layouts.BLOCK
 # fp32(1/255), the exact constant forge_dsl.layouts.R255.
@@ -453,13 +461,75 @@ def _sqrt_code(t):
 
 
 @triton.jit
+def _int4_code(y):
+    """INT4 code of y = x / scale in [-1 - 2**-23, 1 + 2**-23]: the number of the 15 fp32 midpoints
+    `forge_dsl.layouts.INT4_THRESHOLDS` that y reaches (the nearest `INT4_MAP` value, ties up), as int32
+    in [0, 15]; 7 (the value 0) for y = 0. Exact comparisons only."""
+    q = (y >= -0.7749999761581421).to(tl.int32)
+    q += (y >= -0.550000011920929).to(tl.int32)
+    q += (y >= -0.32499998807907104).to(tl.int32)
+    q += (y >= -0.14500001072883606).to(tl.int32)
+    q += (y >= -0.054999999701976776).to(tl.int32)
+    q += (y >= -0.01899999938905239).to(tl.int32)
+    q += (y >= -0.002749999985098839).to(tl.int32)
+    q += (y >= 0.002749999985098839).to(tl.int32)
+    q += (y >= 0.01899999938905239).to(tl.int32)
+    q += (y >= 0.054999999701976776).to(tl.int32)
+    q += (y >= 0.14500001072883606).to(tl.int32)
+    q += (y >= 0.32499998807907104).to(tl.int32)
+    q += (y >= 0.550000011920929).to(tl.int32)
+    q += (y >= 0.7749999761581421).to(tl.int32)
+    q += (y >= 0.9437500238418579).to(tl.int32)
+    return q
+
+
+@triton.jit
+def _int4_value(raw):
+    """`forge_dsl.layouts.INT4_MAP[q]` (fp32) for INT4 codes q in [0, 15] (any int type): one select per
+    code, from a zero tile (code 7 is the value 0)."""
+    q = raw.to(tl.int32)
+    v = q.to(tl.float32) * 0.0  # [BN, BK] zeros (q is finite)
+    v = tl.where(q == 0, -0.887499988079071, v)
+    v = tl.where(q == 1, -0.6625000238418579, v)
+    v = tl.where(q == 2, -0.4375, v)
+    v = tl.where(q == 3, -0.21250000596046448, v)
+    v = tl.where(q == 4, -0.07750000059604645, v)
+    v = tl.where(q == 5, -0.032499998807907104, v)
+    v = tl.where(q == 6, -0.005499999970197678, v)
+    v = tl.where(q == 8, 0.005499999970197678, v)
+    v = tl.where(q == 9, 0.032499998807907104, v)
+    v = tl.where(q == 10, 0.07750000059604645, v)
+    v = tl.where(q == 11, 0.21250000596046448, v)
+    v = tl.where(q == 12, 0.4375, v)
+    v = tl.where(q == 13, 0.6625000238418579, v)
+    v = tl.where(q == 14, 0.887499988079071, v)
+    v = tl.where(q == 15, 1.0, v)
+    return v
+
+
+@triton.jit
+def _store_pairs(ptr, codes, offs, mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Store 4-bit codes [BLOCK_N, BLOCK_K] (int32 in [0, 15]) two a byte: each even/odd neighbour pair of the
+    tile (offsets offs, offs + 1, an even offs) as one byte at offs >> 1, the even one in the low nibble, where
+    the even element is unmasked (rows have an even number of columns, so a pair is in or out as a whole)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    lo, hi = tl.split(tl.reshape(codes, (BLOCK_N, HALF, 2)))  # [BN, BK // 2] each
+    o_lo, o_hi = tl.split(tl.reshape(offs, (BLOCK_N, HALF, 2)))
+    m_lo, m_hi = tl.split(tl.reshape(mask.to(tl.int32), (BLOCK_N, HALF, 2)))
+    byte = (lo | (hi << 4)).to(tl.uint8)
+    if ptr.dtype.element_ty == tl.int8:
+        byte = byte.to(tl.int8, bitcast=True)
+    tl.store(ptr + (o_lo >> 1), byte, mask=m_lo != 0)
+
+
+@triton.jit
 def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs,
                    LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Issue the loads of a state tile in its storage type; `decode_state` them later.
 
-    Returns (codes [BLOCK_N, BLOCK_K], scales [BLOCK_N, BLOCK_K // 64] fp32) for the int8
-    layouts, and (storage tile, the same tile again, unused) for FP32 and BF16.
-    Arguments as for `load_state`.
+    Returns (codes [BLOCK_N, BLOCK_K], scales [BLOCK_N, BLOCK_K // 64] fp32) for the quantized
+    layouts (4-bit: each element's code as uint8, shifted out of its byte), and (storage tile, the
+    same tile again, unused) for FP32 and BF16. Arguments as for `load_state`.
     """
     if LAYOUT == 0:
         raw = tl.load(ptr + offs, mask=mask, other=0.0)
@@ -470,10 +540,15 @@ def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs,
         return raw, raw
     else:
         tl.static_assert(BLOCK_K % 64 == 0, "BLOCK_K must be a multiple of 64")
-        tl.static_assert(LAYOUT == 2 or LAYOUT == 3, "unknown state layout")
+        tl.static_assert(LAYOUT >= 2 and LAYOUT <= 5, "unknown state layout")
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
         scale = tl.load(scale_ptr + scale_offs, mask=bmask, other=0.0)
-        codes = tl.load(ptr + offs, mask=mask, other=0)
+        if LAYOUT >= 4:
+            b = tl.load(ptr + (offs >> 1), mask=mask, other=0)  # [BN, BK]: each element's byte
+            shift = ((offs & 1) * 4).to(tl.int32)  # the high nibble for an odd element
+            codes = ((b.to(tl.uint8, bitcast=True).to(tl.int32) >> shift) & 0xF).to(tl.uint8)
+        else:
+            codes = tl.load(ptr + offs, mask=mask, other=0)
         return codes, scale
 
 
@@ -490,11 +565,15 @@ def decode_state(raw, scale, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
             tl.static_assert(raw.dtype == tl.int8, "INT8 state must be int8")
             step = tl.div_rn(scale, 127.0)
             return qf * _broadcast_blocks(step, BLOCK_N, BLOCK_K)
-        else:
-            tl.static_assert(LAYOUT == 3, "unknown state layout")
+        elif LAYOUT == 3:
             tl.static_assert(raw.dtype == tl.uint8, "UINT8_SQRT state must be uint8")
             r = qf * 0.003921568859368563  # R255
             return (_broadcast_blocks(scale, BLOCK_N, BLOCK_K) * r) * r
+        elif LAYOUT == 4:
+            return _broadcast_blocks(scale, BLOCK_N, BLOCK_K) * _int4_value(raw)
+        else:
+            tl.static_assert(LAYOUT == 5, "unknown state layout")
+            return _broadcast_blocks(scale, BLOCK_N, BLOCK_K) * ((qf + 1.0) * 0.0625)  # (q + 1) / 16, exact
 
 
 @triton.jit
@@ -503,8 +582,8 @@ def load_state(ptr, scale_ptr, offs, mask, scale_offs,
     """Load a state tile as fp32 (masked elements read 0).
 
     Args:
-        ptr: the storage (fp32; int16 view of bf16; int8; uint8 by LAYOUT).
-        scale_ptr: the fp32 block scales `[rows, n_blocks]` (int8 layouts only;
+        ptr: the storage (fp32; int16 view of bf16; int8; uint8; int8 / uint8 bytes of two 4-bit codes, by LAYOUT).
+        scale_ptr: the fp32 block scales `[rows, n_blocks]` (quantized layouts only;
             pass any pointer, e.g. the storage, otherwise).
         offs, mask: from `tile_offsets`.
         scale_offs: [BLOCK_N, BLOCK_K // 64] offsets of the tile's block scales in scale_ptr
@@ -519,10 +598,10 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
                 LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store an fp32 state tile in LAYOUT (arguments as for `load_state`).
 
-    INT8 / UINT8_SQRT: each block's scale is computed from the NEW values (masked
-    elements excluded), the codes and the `[BLOCK_N, BLOCK_K // 64]` scales are
+    INT8 / UINT8_SQRT / INT4 / UINT4: each block's scale is computed from the NEW values
+    (masked elements excluded), the codes and the `[BLOCK_N, BLOCK_K // 64]` scales are
     written (scales at scale_ptr + scale_offs, only for blocks holding an unmasked
-    element). BF16 rounds to nearest even.
+    element; 4-bit codes two a byte, `_store_pairs`). BF16 rounds to nearest even.
     """
     if LAYOUT == 0:
         tl.store(ptr + offs, value.to(tl.float32), mask=mask)
@@ -536,18 +615,22 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
         # all on integer bits, so no compiler rewrite can change a NaN or a zero's sign
         bits = x.to(tl.int32, bitcast=True)
         mag = bits & 0x7FFFFFFF  # |x| (NaN of either sign: > 0x7F800000)
-        if LAYOUT == 3:
+        if LAYOUT == 3 or LAYOUT == 5:
             # negatives and -0 → +0; NaN (either sign) stays NaN
             mag = tl.where(bits < 0, tl.where(mag > 0x7F800000, mag, 0), mag)
             x = mag.to(tl.float32, bitcast=True)
         # block max on the bit patterns (NaN above inf); masked elements count 0
         amax = tl.max(tl.reshape(tl.where(mask, mag, 0), (BLOCK_N, NB, 64)), axis=2)
-        amax = tl.where(amax > 0x7F800000, 0x7FC00000, amax)  # one NaN pattern for the scale
+        if LAYOUT >= 4:
+            amax = tl.where(amax >= 0x7F800000, 0x7FC00000, amax)  # inf or NaN: the one NaN pattern
+        else:
+            amax = tl.where(amax > 0x7F800000, 0x7FC00000, amax)  # one NaN pattern for the scale
         scale = amax.to(tl.float32, bitcast=True)  # [BLOCK_N, NB]
         ok = (scale > 0.0) & (scale <= 3.4028234663852886e38)  # finite and > 0 (NaN fails both)
         safe = tl.where(ok, scale, 1.0)
-        # INT8: y = x * (127 / scale); UINT8_SQRT: t = x * (1 / scale). One division per block.
-        inv = tl.div_rn(127.0 if LAYOUT == 2 else 1.0, safe)
+        # INT8: y = x * (127 / scale); UINT4: u = x * (16 / scale); UINT8_SQRT, INT4: x * (1 / scale).
+        # One division per block.
+        inv = tl.div_rn(127.0 if LAYOUT == 2 else (16.0 if LAYOUT == 5 else 1.0), safe)
         ok = ok & (inv <= 3.4028234663852886e38)  # a tiny scale's reciprocal overflows: codes 0
         inv = tl.where(ok, inv, 0.0)
         y = tl.where(_broadcast_blocks(ok, BLOCK_N, BLOCK_K), x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)
@@ -555,11 +638,19 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
             tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT8 state must be int8")
             # |y| <= 127 * (1 + 2**-24)**2 < 127.5, so the rounded code needs no clamp
             codes = _round_half_up(y).to(tl.int32).to(tl.int8)
-        else:
-            tl.static_assert(LAYOUT == 3, "unknown state layout")
+            tl.store(ptr + offs, codes, mask=mask)
+        elif LAYOUT == 3:
             tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT8_SQRT state must be uint8")
             codes = _sqrt_code(y).to(tl.uint8)  # y in [0, 1 + 2**-23]
-        tl.store(ptr + offs, codes, mask=mask)
+            tl.store(ptr + offs, codes, mask=mask)
+        elif LAYOUT == 4:
+            tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT4 state must be int8 bytes")
+            _store_pairs(ptr, _int4_code(y), offs, mask, BLOCK_N, BLOCK_K)  # invalid blocks: y = 0, code 7
+        else:
+            tl.static_assert(LAYOUT == 5, "unknown state layout")
+            tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT4 state must be uint8 bytes")
+            # u in [0, 16 (1 + 2**-23)**2]: the nearest of 1..16 (ties up), minus 1
+            _store_pairs(ptr, tl.maximum(_round_half_up(y).to(tl.int32), 1) - 1, offs, mask, BLOCK_N, BLOCK_K)
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
         tl.store(scale_ptr + scale_offs, scale, mask=bmask)
 

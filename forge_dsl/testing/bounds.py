@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..layouts import StateLayout, as_rows, dequantize, n_blocks
+from ..layouts import FOUR_BIT_LAYOUTS, INT4_MAP, StateLayout, as_rows, dequantize, layout_of, n_blocks
 
 __all__ = ["FP32_REL_TOL", "FP32_SLACK", "UPDATE_ULPS", "UPDATE_REL", "UPDATE_FLOOR", "SR_SIGMAS", "rel_err",
            "layout_code", "as_float64_state", "bf16_ulp", "fp32_ulp", "block_scale", "bound", "weight_bound",
@@ -43,10 +43,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def layout_code(t: torch.Tensor) -> StateLayout:
-    """The layout a state tensor is stored in, from its dtype."""
-    return {torch.float32: StateLayout.FP32, torch.bfloat16: StateLayout.BF16, torch.int8: StateLayout.INT8,
-            torch.uint8: StateLayout.UINT8_SQRT}[t.dtype]
+def layout_code(t: torch.Tensor, scale: Optional[torch.Tensor] = None) -> StateLayout:
+    """The layout a state tensor is stored in (`forge_dsl.layouts.layout_of`; pass its block `scale` to tell
+    4-bit codes from 8-bit ones)."""
+    layout = layout_of(t, scale=scale)
+    if layout is None:
+        raise ValueError(f"no state layout stores dtype {t.dtype}")
+    return layout
 
 
 def as_float64_state(state: dict, spec) -> dict:
@@ -57,7 +60,7 @@ def as_float64_state(state: dict, spec) -> dict:
         if s.name in state:
             t = state[s.name]
             scale = state.get(f"{s.name}.scale")
-            out[s.name] = dequantize(t.cpu(), None if scale is None else scale.cpu(), layout_code(t)).double()
+            out[s.name] = dequantize(t.cpu(), None if scale is None else scale.cpu(), layout_code(t, scale)).double()
     for s in spec.scalars:
         out[s.name] = state[s.name].clone()
     return out
@@ -78,11 +81,14 @@ def block_scale(x: torch.Tensor) -> torch.Tensor:
     return pad.repeat_interleave(64, dim=1)[:, :cols].reshape(x.shape)
 
 
-def bound(layout: StateLayout, ref: torch.Tensor, stored_scale_of: torch.Tensor) -> torch.Tensor:
+def bound(layout: StateLayout, ref: torch.Tensor, stored_scale_of: torch.Tensor,
+          scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-element bound on |stored − exact| for one rounding into `layout`.
 
     ref: the exact (float64) values; stored_scale_of: the tensor whose 64-element block maxima are the
     stored int8 scales (the kernel's dequantized result for INT8 / UINT8_SQRT; unused otherwise).
+    scale: the stored block scales `[rows, n_blocks]` themselves, which the 4-bit layouts need (INT4's
+    map has no -1, so a dequantized block's maximum is not its scale).
     """
     # fp32 arithmetic: relative to the element, plus a floor relative to the tensor (dW elements that
     # cancel over the T tokens carry an absolute error of about sqrt(T)·u·max|dW|).
@@ -91,6 +97,10 @@ def bound(layout: StateLayout, ref: torch.Tensor, stored_scale_of: torch.Tensor)
         return slack
     if layout == StateLayout.BF16:
         return 0.5 * bf16_ulp(ref) + slack
+    if layout in FOUR_BIT_LAYOUTS:
+        if scale is None:
+            raise ValueError(f"bound of {layout.name} state needs its stored block scales (scale=...)")
+        return _four_bit_bound(layout, ref, scale) + 2 * slack
     scale = block_scale(stored_scale_of)
     if layout == StateLayout.INT8:
         return scale / 254 * (1 + 1e-5) + slack
@@ -98,6 +108,29 @@ def bound(layout: StateLayout, ref: torch.Tensor, stored_scale_of: torch.Tensor)
     u = torch.sqrt(ref.clamp_min(0) / scale.clamp_min(1e-30)) * 255
     gap = scale * ((u.floor() + 1) ** 2 - u.floor() ** 2) / 255**2
     return 0.5 * gap + scale / (4 * 255**2) * (1 + 1e-5) + slack
+
+
+def _four_bit_bound(layout: StateLayout, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """scale × the distance from ref / scale to the nearest map value, per element (INT4: `INT4_MAP`; UINT4:
+    (q + 1) / 16), plus 4 fp32 ulps of the scale; where the state went negative (UINT4 stores it as 0), that
+    much more. The kernel rounds its fp32 value v, within the slack of ref, to v's nearest map value, which is
+    within dist(ref) + |v − ref| of v and so dist(ref) + 2 |v − ref| of ref: `bound` adds the slack twice."""
+    ref = ref.double().cpu()
+    r2 = as_rows(ref)
+    rows, cols = r2.shape
+    s = scale.double().cpu().repeat_interleave(64, dim=1)[:, :cols]  # [rows, cols]
+    if layout == StateLayout.INT4:
+        points = INT4_MAP.double()
+        t = r2
+    else:
+        points = torch.arange(1, 17, dtype=torch.float64) / 16
+        t = r2.clamp_min(0)
+    ok = (s > 0) & torch.isfinite(s)
+    u = torch.where(ok, t / torch.where(ok, s, torch.ones_like(s)), torch.zeros_like(t))
+    dist = (u[..., None] - points).abs().amin(-1)
+    out = s * dist + 4 * s * 2.0**-24 + (r2 - t).abs()
+    out = torch.where(ok, out, torch.where(torch.isfinite(s), s, torch.zeros_like(s)))  # blocks stored as 0 / s / 16
+    return out.reshape(ref.shape)
 
 
 def weight_bound(ref_w: torch.Tensor, w_dtype: torch.dtype, rounding: str = "stochastic") -> torch.Tensor:

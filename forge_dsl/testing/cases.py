@@ -87,7 +87,7 @@ class Case:
         path: one of `PATHS`: a fused config ("fused", "halves", "split", "ws", ...), "slab", "step", "against".
         keywords: the torch-style keywords of every step (flags included; groups as tuples).
         check: "chain", "per-step" or "against".
-        layout: `init_state`'s layout ("fp32", "bf16", "int8", a dict per state) or "mixed" (`layout_for`).
+        layout: `init_state`'s layout ("fp32", "bf16", "int8", "int4", a dict per state) or "mixed" (`layout_for`).
         weights: "fp32" or "bf16".
         rounding: "stochastic" or "nearest" (bf16 weights).
         shape: the weight's shape: [N, K] on the linear paths, any on "step" and "against".
@@ -261,8 +261,8 @@ def _exact_dw(case: Case, x: torch.Tensor, dy: torch.Tensor, w_shape) -> torch.T
 
 def _quantized_layout(layout) -> bool:
     if isinstance(layout, dict):
-        return "int8" in layout.values()
-    return layout in ("int8", "mixed")
+        return "int8" in layout.values() or "int4" in layout.values()
+    return layout in ("int8", "int4", "mixed")
 
 
 def _run_kernel(case: Case, spec: ir.Spec, x, dy, w, state, grad, step: int) -> None:
@@ -424,8 +424,9 @@ def _run_per_step(case: Case, spec: ir.Spec) -> CaseResult:
             if s.name not in state:
                 continue
             got, ref = got_state[s.name], ref_state[s.name]
-            lay = layout_code(state[s.name])
-            tol = bound(lay, ref, got if is_quantized(lay) else ref)
+            scale = state.get(f"{s.name}.scale")
+            lay = layout_code(state[s.name], scale)
+            tol = bound(lay, ref, got if is_quantized(lay) else ref, scale)
             _elementwise(worst, got, ref, tol, step, f"state {s.name} ({lay.name})")
         for s in spec.scalars:
             got, ref = float(state[s.name]), float(ref_state[s.name])

@@ -3,10 +3,10 @@
 `check_spec_kernels(spec, quick=...)` covers, for each flag combination of `problems.combos_for` (with
 keywords from `problems.draw_keywords` and a learning rate that moves the weight by a few percent a
 step): fp32 chains on the fused, slab and element-wise paths; per-step checks of every state layout
-(fp32, bf16, int8, a mixed dict) with fp32 weights and bf16 weights under both roundings, on those
+(fp32, bf16, int8, int4, a mixed dict) with fp32 weights and bf16 weights under both roundings, on those
 paths and the fused kernel's other tile configs (the warp-specialized ones on a Hopper GPU); and
 shapes with a dimension of 1 and 1-D / 3-D parameters on the element-wise path. `quick` keeps two
-combinations (the defaults' and all flags on), int8 beside fp32, and fewer steps, on every path.
+combinations (the defaults' and all flags on), int8 and int4 beside fp32, and fewer steps, on every path.
 With `against="MODULE:CLASS"` it also runs the reference step against that class for every
 combination (`check_reference` alone: no kernels).
 """
@@ -36,7 +36,7 @@ __all__ = ["Report", "check_spec_kernels", "check_reference", "plan_kernel_cases
 DEFAULT_STEPS = 8  # enough for step-dependent branches (RAdam's rectification from step 6 at beta2 = 0.999)
 QUICK_STEPS = 4
 UPDATE_BAND = (0.005, 0.03)  # ‖Δw‖ / ‖w‖ per step that the drawn learning rate is scaled into
-LAYOUTS = ("fp32", "bf16", "int8", "mixed")
+LAYOUTS = ("fp32", "bf16", "int8", "int4", "mixed")
 WEIGHTS = (("fp32", "stochastic"), ("bf16", "stochastic"), ("bf16", "nearest"))
 AWKWARD_SHAPES = ((1, 70), (33, 1))  # a dimension of 1, neither a multiple of a block (every path)
 STEP_SHAPES = ((2, 3, 70), (70,))  # a 3-D and a 1-D parameter (element-wise path)
@@ -171,7 +171,7 @@ def plan_kernel_cases(spec: SpecLike, *, quick: bool = False, steps: Optional[in
         if quick:
             if index == 0:
                 for layout, weights, rounding in (("int8", "bf16", "stochastic"), ("mixed", "bf16", "stochastic"),
-                                                  ("bf16", "bf16", "nearest")):
+                                                  ("bf16", "bf16", "nearest"), ("int4", "fp32", "stochastic")):
                     cases += [c.replace(path=p, layout=layout, weights=weights, rounding=rounding)
                               for p in ("fused", "slab", "step", *ws_paths)]
                 cases += [c.replace(path="step", layout="int8", weights="bf16", shape=(1, 70), grad="bf16"),
