@@ -95,7 +95,7 @@ _COLLIDING_NAMES = frozenset(
 API_KEYWORDS = frozenset({
     "spec", "param", "grad", "step", "state", "states", "params", "grads", "weight", "x", "dy", "model",
     "seed", "rounding", "layout", "state_dtype", "fuse", "foreach", "linear_path", "path", "tf32", "config",
-    "slab_bytes", "initial_hypers", "self", "model_params",
+    "slab_bytes", "initial_hypers", "self", "model_params", "lm_head_loss",
 })
 RESERVED_NAMES = _COLLIDING_NAMES | API_KEYWORDS
 

@@ -74,8 +74,13 @@ def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
 
 
 def _is_forge_forward(module: torch.nn.Module, forward: Any) -> bool:
-    """Whether an instance-level `forward` is FORGE's: `functools.partial(embedding_forward, module, sink=...)`, or
-    nn.Embedding's own bound to the module (what a copy of a fused module holds)."""
+    """Whether an instance-level `forward` is FORGE's: the optimizer's `fused_linear._FusedForward`,
+    `functools.partial(embedding_forward, module, sink=...)`, or nn.Embedding's own bound to the module (what a
+    copy of a fused module holds)."""
+    from .fused_linear import _FusedForward  # the optimizer's wrapper (forge_dsl/fused_linear.py imports this module)
+
+    if isinstance(forward, _FusedForward):
+        return True
     if not isinstance(forward, functools.partial) or len(forward.args) != 1 or forward.args[0] is not module:
         return False
     if forward.func is embedding_forward:

@@ -365,6 +365,29 @@ class HeadHandle:
     def remove(self) -> None:
         self._forward.restore()
 
+    def describe(self) -> str:
+        """Which model and head this loss is installed on, and whether it is still."""
+        model = self._forward.model_ref()
+        if model is None:
+            return "its model no longer exists"
+        installed = model.__dict__.get("forward") is self._forward
+        return (f"{type(model).__name__}.forward with labels, lm_head.weight updated a vocabulary block at a time"
+                + ("" if installed else " (removed)"))
+
+
+def check_installable(model: torch.nn.Module) -> None:
+    """Raise the ValueError `install` would raise for `model` (nothing where it can be installed)."""
+    why = _refusal(model)
+    if why is None:
+        forward = model.__dict__.get("forward", _MISSING)
+        if isinstance(forward, _HeadForward):
+            why = "it is already installed on this model; call the handle's remove() first"
+        elif forward is not _MISSING and not _is_dormant_forward(model, forward):
+            why = ("the model's forward was replaced on the instance (e.g. by a hook library), which install "
+                   "does not replace")
+    if why is not None:
+        raise ValueError(f"forge_dsl.fused_head.install: {why}")
+
 
 def install(model: torch.nn.Module, sink_for: Optional[Callable[[torch.nn.Parameter], Optional[RowSink]]] = None, *,
             block_rows: Optional[int] = None) -> HeadHandle:
@@ -386,16 +409,7 @@ def install(model: torch.nn.Module, sink_for: Optional[Callable[[torch.nn.Parame
     a `loss_function` other than transformers' `ForCausalLMLoss` (RuntimeError) and `logits_to_keep` ≠ 0
     (ValueError).
     """
-    why = _refusal(model)
-    if why is None:
-        forward = model.__dict__.get("forward", _MISSING)
-        if isinstance(forward, _HeadForward):
-            why = "it is already installed on this model; call the handle's remove() first"
-        elif forward is not _MISSING and not _is_dormant_forward(model, forward):
-            why = ("the model's forward was replaced on the instance (e.g. by a hook library), which install "
-                   "does not replace")
-    if why is not None:
-        raise ValueError(f"forge_dsl.fused_head.install: {why}")
+    check_installable(model)
     if sink_for is not None and not callable(sink_for):
         raise TypeError(f"sink_for must be a callable weight -> RowSink or None, got {type(sink_for).__name__}")
     if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1):

@@ -1,8 +1,13 @@
-"""A fused nn.Linear: the forward that runs FORGE's update inside backward, and its bookkeeping.
+"""A fused nn.Linear or nn.Embedding: the forward that runs FORGE's update inside backward, and its bookkeeping.
 
     module.forward = _FusedForward(module, handle)       installed by ForgeOptimizer (forge_dsl/optim.py)
     y = fused_forward(module, handle, x)                  y = x Wᵀ + b [..., N]; backward: ΔX [..., K] with the
                                                            old W [N, K], then the fused update of W and its state
+    y = embedding_forward(module, ids, handle)            an embedding's rows (forge_dsl/fused_embedding.py); its
+                                                           backward hands the handle its gradient a tile at a time
+
+A handle is also a `row_updates.RowSink`: the fused embedding and the fused LM head's loss
+(`forge_dsl.fused_head`) hand it their weight's gradient in blocks of rows, updated as they come.
 
 Two entry points reach the same code (`_FusedHandle.note_forward`, `_FusedHandle.consume`):
 
@@ -29,11 +34,17 @@ import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
 from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad, consumed_grad
+from .fused_embedding import embedding_forward, fusion_refusal as embedding_refusal
 
 __all__ = ["fused_forward", "fusion_refusal"]
 
 
 _MISSING = object()
+
+
+def _base_forward(module: torch.nn.Module):
+    """The class forward a fused module runs when not fused: nn.Embedding's or nn.Linear's own."""
+    return torch.nn.Embedding.forward if isinstance(module, torch.nn.Embedding) else torch.nn.Linear.forward
 
 
 def _is_dormant_forward(module: torch.nn.Module, forward: Any) -> bool:
@@ -44,9 +55,10 @@ def _is_dormant_forward(module: torch.nn.Module, forward: Any) -> bool:
 
 
 class _FusedForward:
-    """The instance-level `forward` of a fused nn.Linear: the FORGE path while its optimizer lives, nn.Linear's
-    own forward after (the module is then given back what it had). A copy (deepcopy, pickle, `torch.save`)
-    is nn.Linear's own forward bound to the copied module: a copied model is a plain model."""
+    """The instance-level `forward` of a fused nn.Linear or nn.Embedding: the FORGE path while its optimizer
+    lives, the class's own forward after (the module is then given back what it had). A copy (deepcopy,
+    pickle, `torch.save`) is the class's own forward bound to the copied module: a copied model is a plain
+    model."""
 
     __slots__ = ("module_ref", "handle", "previous", "__weakref__")
 
@@ -57,9 +69,13 @@ class _FusedForward:
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         module = self.module_ref()
-        if self.handle.opt_ref() is None:  # its optimizer is gone: nn.Linear again
+        if self.handle.opt_ref() is None:  # its optimizer is gone: the plain module again
             self.restore()
-            return torch.nn.Linear.forward(module, input)
+            return _base_forward(module)(module, input)
+        if isinstance(module, torch.nn.Embedding):
+            if (torch.is_grad_enabled() and module.weight.requires_grad and not torch.compiler.is_compiling()):
+                self.handle.note_forward()
+            return embedding_forward(module, input, self.handle)
         return fused_forward(module, self.handle, input)
 
     def restore(self) -> None:
@@ -72,7 +88,8 @@ class _FusedForward:
                 module.forward = self.previous
 
     def __reduce__(self):
-        return functools.partial, (torch.nn.Linear.forward, self.module_ref())
+        module = self.module_ref()
+        return functools.partial, (_base_forward(module), module)
 
 
 def _fused_forward_of(module: torch.nn.Module) -> Optional[_FusedForward]:
@@ -86,9 +103,11 @@ def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
     Only an nn.Linear whose forward is nn.Linear's own is fused: a subclass with its own forward
     (`torch.ao.nn.qat.Linear`'s fake quantization, a scaled output) or a forward replaced on the instance (by
     a hook library) would silently lose what it does. nn.MultiheadAttention reads its out_proj's weight
-    directly, never through out_proj's forward."""
+    directly, never through out_proj's forward. An nn.Embedding: `fused_embedding.fusion_refusal`."""
+    if isinstance(module, torch.nn.Embedding):
+        return embedding_refusal(module)
     if not isinstance(module, torch.nn.Linear):
-        return "not an nn.Linear"
+        return "not an nn.Linear or nn.Embedding"
     if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "read directly by nn.MultiheadAttention"
     if type(module).forward is not torch.nn.Linear.forward:
@@ -99,9 +118,10 @@ def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
-def _restore_forwards(forwards: list) -> None:
-    for forward in forwards:
-        forward.restore()
+def _restore_forwards(restores: list) -> None:
+    """Call each of `restores` (the bound `restore` / `remove` of what an optimizer installed)."""
+    for restore in restores:
+        restore()
 
 
 class _ForgeLinearFn(torch.autograd.Function):
@@ -143,6 +163,7 @@ class _FusedHandle:
         # e.g. by Liger-Kernel's fused linear cross-entropy): stepped from .grad
         self.bypassed = False
         self._consumed: Optional[ConsumedGrad] = None  # the weight's placeholder .grad, made once (no memory)
+        self._rows = None  # the step bound by `begin` (a kernels.ParamUpdate), until `finish`
 
     def note_forward(self) -> None:
         """A forward with gradients through this layer (recomputation inside backward, by checkpointing,
@@ -168,11 +189,24 @@ class _FusedHandle:
     def consume(self, x: torch.Tensor, dy: torch.Tensor) -> Optional[torch.Tensor]:
         """In backward: the fused update of this layer's weight from x [..., K] and dy [..., N] (None), or, where
         it is not fused this step, its dW [N, K] for autograd."""
+        opt, weight = self._fused_this_step()
+        if opt is None:
+            return _dw(x, dy, weight)
+        opt._fused_update(weight, x, dy)
+        self._updated(weight)
+        return None
+
+    def _fused_this_step(self):
+        """(the optimizer, the weight) where this step's update is fused, (None, the weight) where the weight is
+        used several times in this step (each use's gradient goes to autograd, summed into .grad); refuses a
+        second update in one step."""
         opt = self.opt_ref()
         if opt is None:
             raise RuntimeError(f"the ForgeOptimizer of '{self.name}' no longer exists")
         if self.updated:
             raise RuntimeError(_accumulation_message(self.name))
+        if self._rows is not None:  # blocks of an interrupted backward's update were applied
+            raise RuntimeError(_interrupted_message(self.name, *opt._updated_count()))
         # Decided per step: a layer called several times in this forward (a shared layer, or a stray forward
         # with grad enabled since the last step) hands each use's dW to autograd, summed into .grad.
         weight = self.weight_ref()
@@ -181,14 +215,49 @@ class _FusedHandle:
         if isinstance(weight.grad, ConsumedGrad):  # a step's placeholder left by a loop without zero_grad()
             weight.grad = None
         if self.shared:
-            return _dw(x, dy, weight)
+            return None, weight
         if weight.grad is not None:  # refused before the update: a gradient from another use came first
             raise RuntimeError(f"'{self.name}': " + OUTSIDE_USE_MESSAGE)
-        opt._fused_update(weight, x, dy)
+        return opt, weight
+
+    def _updated(self, weight: torch.Tensor) -> None:
         self.updated = True
         # what reads .grad from now on (clipping, however imported) learns that it was consumed here
         weight.grad = self._consumed_grad(weight)
-        return None
+
+    # -- row_updates.RowSink: a weight whose gradient comes in blocks of rows (embeddings, the LM head's loss)
+    def begin(self) -> bool:
+        """True: this step's update is fused, its blocks of rows come next; False: autograd gets the gradient."""
+        opt, weight = self._fused_this_step()
+        if opt is None:
+            return False
+        self._rows = opt._begin_rows_update(weight)
+        return True
+
+    def fused_rows(self, x: torch.Tensor, dy: torch.Tensor, r0: int) -> None:
+        """Rows [r0, r0 + R) from dW = dyᵀ x: x [T, K], dy [T, R]."""
+        self._rows.fused(x, dy, rows=r0, tf32=torch.get_float32_matmul_precision() != "highest")
+
+    def grad_rows(self, grad: torch.Tensor, r0: int) -> None:
+        """Rows [r0, r0 + R) from their gradient grad [R, K]."""
+        self._rows.from_grad(grad, rows=r0)
+
+    def finish(self) -> None:
+        """After the last block: the step's scalar state and counter move, the weight counts as updated."""
+        self.close_rows()
+        self._updated(self.weight_ref())
+
+    def close_rows(self) -> bool:
+        """Complete a begun row update (its scalar state and step counter move); False where none is open.
+        `ForgeOptimizer.step()` closes one an interrupted backward left open: its rows handed so far keep
+        this step's update, the others went without it."""
+        update, self._rows = self._rows, None
+        if update is None:
+            return False
+        opt = self.opt_ref()
+        if opt is not None:
+            opt._finish_rows_update(self.weight_ref(), update)
+        return True
 
 
 def _interrupted_message(name: str, updated: int, fused: int) -> str:

@@ -51,20 +51,20 @@ Exactness rules (each refused loudly when it cannot hold):
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from . import ir
-from . import checkpoint
+from . import checkpoint, fused_head, ir
 from .api import SpecLike, init_state, load_spec
 from .consumed_grad import CLIP_MESSAGE, OUTSIDE_USE_MESSAGE, ConsumedGrad
 from .fused_linear import _FusedForward, _FusedHandle, _fused_forward_of, _restore_forwards, fusion_refusal
 from .config import check_seed, resolve_hypers
 from .kernels.foreach import FOREACH_MAX_ELEMENTS, _step_flat, shared_launch_key
-from .kernels.launch import linear_step, step as elementwise_step
+from .kernels.launch import ParamUpdate, linear_step, step as elementwise_step
 from .kernels.policy import LINEAR_PATHS, interpreting
 
 __all__ = ["ForgeOptimizer", "fuse", "fusion_refusal"]
@@ -93,8 +93,8 @@ class _Candidate:
 
 
 def _candidates(model: torch.nn.Module) -> dict[int, _Candidate]:
-    """Every parameter of `model` by id: its name, and for the weight of an nn.Linear the module and
-    `fusion_refusal`'s reason, or that the weight is shared with another module."""
+    """Every parameter of `model` by id: its name, and for the weight of an nn.Linear or nn.Embedding the module
+    and `fusion_refusal`'s reason, or that the weight is shared with another module."""
     _check_not_data_parallel(model)
     owners: dict[int, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
@@ -103,7 +103,7 @@ def _candidates(model: torch.nn.Module) -> dict[int, _Candidate]:
                 owners[id(p)] = owners.get(id(p), 0) + 1
     found = {id(p): _Candidate(p, None, name, None) for name, p in model.named_parameters()}
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or module.weight is None:
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or module.weight is None:
             continue
         w = module.weight
         refusal = fusion_refusal(module)
@@ -115,21 +115,56 @@ def _candidates(model: torch.nn.Module) -> dict[int, _Candidate]:
 
 # Parameters of models marked by `fuse`, by id (their tensors compare element-wise, so no WeakKeyDictionary).
 _PREPARED: dict[int, _Candidate] = {}
+# The LM head weights (by id) of models marked by `fuse(model, lm_head_loss=True)`: the model, weakly.
+_HEAD_LOSS: dict[int, tuple] = {}
 
 
-def fuse(model: torch.nn.Module) -> torch.nn.Module:
+def fuse(model: torch.nn.Module, *, lm_head_loss: bool = False) -> torch.nn.Module:
     """Mark `model` so that a `ForgeOptimizer` built from its parameters (torch.optim's convention,
-    `ForgeOptimizer(model.parameters(), spec, ...)` or param groups) updates its eligible nn.Linear weights
-    inside backward. Changes nothing in the model (the optimizer installs the fused forwards); returns it.
+    `ForgeOptimizer(model.parameters(), spec, ...)` or param groups) updates its eligible nn.Linear and
+    nn.Embedding weights inside backward. Changes nothing in the model (the optimizer installs the fused
+    forwards); returns it.
 
-    `ForgeOptimizer(model, spec, ...)` does this itself."""
+    lm_head_loss: a Hugging Face causal LM (`forge_dsl.fused_head.install`'s models) computes its loss without
+    logits once the optimizer exists: `model(..., labels=...)` returns the loss with `logits=None`, and
+    its LM head is updated one vocabulary block at a time in backward. Refused here (ValueError) for a
+    model it cannot do exactly.
+
+    `ForgeOptimizer(model, spec, ...)` does this itself (`lm_head_loss=` there too)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fuse expects an nn.Module, got {type(model).__name__}")
-    for key, candidate in _candidates(model).items():
+    if not isinstance(lm_head_loss, bool):
+        raise TypeError(f"lm_head_loss must be a bool, got {type(lm_head_loss).__name__}")
+    candidates = _candidates(model)
+    if lm_head_loss:
+        fused_head.check_installable(model)
+    for key, candidate in candidates.items():
         weight = candidate.weight_ref()
         candidate.weight_ref = weakref.ref(weight, lambda _, key=key: _PREPARED.pop(key, None))
         _PREPARED[key] = candidate
+    if lm_head_loss:
+        head = model.lm_head.weight
+        _HEAD_LOSS[id(head)] = (weakref.ref(head, lambda _, key=id(head): _HEAD_LOSS.pop(key, None)),
+                                weakref.ref(model))
     return model
+
+
+def _head_loss_model(p: torch.Tensor) -> Optional[torch.nn.Module]:
+    """The model `fuse(model, lm_head_loss=True)` marked, whose LM head weight is `p`."""
+    entry = _HEAD_LOSS.get(id(p))
+    return entry[1]() if entry is not None and entry[0]() is p else None
+
+
+def _head_sink(opt_ref, weight: torch.nn.Parameter):
+    """`fused_head.install`'s sink_for of a ForgeOptimizer (held weakly): the head weight's handle, counted as a
+    forward through the head, or None (not fused: autograd's dense dW; under torch.compile the head's loss is
+    the plain path)."""
+    opt = opt_ref()
+    handle = opt._handles.get(weight) if opt is not None else None
+    if handle is None or torch.compiler.is_compiling():
+        return None
+    handle.note_forward()
+    return handle
 
 
 def _prepared(p: torch.Tensor) -> Optional[_Candidate]:
@@ -163,7 +198,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         spec: a built-in name ("adamw", "lion", ...) or a path to any `.fopt` (compiled on first use).
         model_params: with a module as `params`, optional parameters or param groups of it (e.g. no weight
             decay on norms and biases); default: all of its parameters that require grad.
-        state_dtype: optimizer state layout: "fp32", "bf16", "int8" (block-64 quantized), or a
+        state_dtype: optimizer state layout: "fp32", "bf16", "int8" or "int4" (block-64 quantized), or a
             dict per state name; default "fp32".
         rounding: bf16 weight write-back, "stochastic" (default) or "nearest".
         seed: stochastic-rounding seed (each parameter draws its own stream from it).
@@ -176,6 +211,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             for the layer's shape, token count, state layout and GPU; "fused" the tile-fused kernel (fp32
             dW in registers) everywhere; "slab" cuBLAS dW in L2-sized row slabs, rounded to bf16 as
             autograd's dW is, each consumed at once by the element-wise kernel.
+        lm_head_loss: with a module as `params`, a Hugging Face causal LM: its loss computed without logits and
+            its LM head updated a vocabulary block at a time in backward (see `fuse`); default False.
         foreach: True (default) steps the parameters left to `step()` that have up to 2**20
             elements and share dtypes and state layouts (norm weights, biases) in one launch
             (`forge_dsl.kernels.foreach`), as torch.optim's `foreach` does: each launch costs host
@@ -200,13 +237,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
         fuse: bool = True,
         linear_path: str = "auto",
         foreach: bool = True,
+        lm_head_loss: bool = False,
         **hypers: Any,
     ) -> None:
         if spec is None:
             raise TypeError("ForgeOptimizer needs a spec: a built-in name ('adamw', 'lion', ...) or a .fopt path, "
                             "e.g. ForgeOptimizer(model.parameters(), 'adamw', lr=1e-3)")
+        if not isinstance(lm_head_loss, bool):
+            raise TypeError(f"lm_head_loss must be a bool, got {type(lm_head_loss).__name__}")
         if isinstance(params, torch.nn.Module):
             model = params
+            if lm_head_loss and fuse:
+                fused_head.check_installable(model)
             candidates = _candidates(model) if fuse else {}
             params = model_params if model_params is not None else [
                 p for p in model.parameters() if p.requires_grad]
@@ -214,6 +256,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if model_params is not None:
                 raise TypeError("model_params= goes with a module as the first argument; pass the parameters or "
                                 "param groups first instead")
+            if lm_head_loss:
+                raise TypeError("lm_head_loss= goes with a module as the first argument; with parameters first, "
+                                "mark the model with forge_dsl.fuse(model, lm_head_loss=True)")
             if isinstance(params, torch.Tensor):
                 raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
                                 f"but got {torch.typename(params)}")
@@ -251,6 +296,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for p in self._param_index:
             self._check_param(p)
         self._handles: dict[torch.nn.Parameter, _FusedHandle] = {}
+        self._head_installs: list = []  # fused_head.install's handles, one per causal LM (lm_head_loss)
         self._unfused_reason: dict[torch.nn.Parameter, str] = {}
         self._backward_open = False  # a fused update ran in a backward that has not finished (see _fused_update)
         if model is None:  # parameters first: what `fuse(model)` recorded for them
@@ -262,7 +308,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
                               "the model itself.", stacklevel=2)
         self._names = {p: candidates[id(p)].name for p in self._param_index if id(p) in candidates}
         if fuse:
-            self._attach(candidates)
+            heads = [model] if lm_head_loss else []
+            if model is None:
+                heads = [m for p in self._param_index if (m := _head_loss_model(p)) is not None]
+            self._attach(candidates, heads)
 
     # -- construction ------------------------------------------------------
     def _group_hypers(self, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -286,8 +335,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if not p.is_contiguous():
             raise ValueError("FORGE updates parameters in place and needs them contiguous")
 
-    def _attach(self, candidates: dict[int, _Candidate]) -> None:
-        """Install the fused forward on every eligible Linear whose weight this optimizer trains."""
+    def _attach(self, candidates: dict[int, _Candidate], heads: list) -> None:
+        """Install the fused forward on every eligible Linear and Embedding whose weight this optimizer trains,
+        and the loss without logits on the causal LMs `heads`."""
         forwards = []
         for p in self._param_index:
             candidate = candidates.get(id(p))
@@ -310,12 +360,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
             module.forward = forward
             forwards.append(forward)
             self._handles[p] = handle
+        sink_for = functools.partial(_head_sink, weakref.ref(self))
+        self._head_installs = [fused_head.install(model, sink_for) for model in heads]  # checked before: no raise
         # the optimizer's end gives every module back its forward (detach() does it at once)
-        self._finalizer = weakref.finalize(self, _restore_forwards, forwards)
+        self._finalizer = weakref.finalize(self, _restore_forwards, [f.restore for f in forwards] +
+                                           [install.remove for install in self._head_installs])
 
     def detach(self) -> None:
         """Give every fused Linear back the forward it had (the model then trains with any optimizer); the
         parameters left are stepped from `.grad` in `step()`."""
+        for install in self._head_installs:
+            install.remove()
+        self._head_installs = []
         for p, handle in self._handles.items():
             module = handle.module_ref()
             forward = _fused_forward_of(module) if module is not None else None
@@ -361,16 +417,32 @@ class ForgeOptimizer(torch.optim.Optimizer):
         group = self._group_of[weight]
         hypers = self._group_hypers(group)
         state = self._state_for(weight, group, hypers)
-        if not self._backward_open:
-            # cleared by the autograd engine when this backward finishes, not when an exception ends it
-            self._backward_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+        self._open_backward()
         linear_step(
             self.spec, x, dy, weight.data, state, path=self.linear_path, step=int(state["step"].item()) + 1,
             seed=int(state["seed"]), rounding=self.rounding,
             tf32=torch.get_float32_matmul_precision() != "highest", **hypers,
         )
         state["step"] += 1
+
+    def _open_backward(self) -> None:
+        if not self._backward_open:
+            # cleared by the autograd engine when this backward finishes, not when an exception ends it
+            self._backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+
+    def _begin_rows_update(self, weight: torch.nn.Parameter) -> ParamUpdate:
+        """One step of a fused weight whose gradient comes in blocks of rows (`_FusedHandle.begin`)."""
+        group = self._group_of[weight]
+        hypers = self._group_hypers(group)
+        state = self._state_for(weight, group, hypers)
+        self._open_backward()
+        return ParamUpdate(self.spec, weight.data, state, step=int(state["step"].item()) + 1, seed=int(state["seed"]),
+                           rounding=self.rounding, **hypers)
+
+    def _finish_rows_update(self, weight: torch.nn.Parameter, update: ParamUpdate) -> None:
+        update.commit()
+        self.state[weight]["step"] += 1
 
     def _backward_finished(self) -> None:
         self._backward_open = False
@@ -387,6 +459,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._backward_open:  # the last backward was interrupted: close the step, step nothing from .grad
+            for handle in self._handles.values():
+                if handle.close_rows():  # a weight interrupted between blocks of rows: its step counter moves
+                    handle.updated = True
             updated, fused = self._updated_count()
             warnings.warn(f"the last backward was interrupted after FORGE had updated {updated} of the {fused} "
                           "fused layers (they keep this step's update): step() closed the step without stepping "
@@ -449,6 +524,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         shared = [h.name for h in self._handles.values() if h.shared]
         bypassed = [h.name for h in self._handles.values() if h.bypassed]
         lines.append(f"  fused in backward ({len(fused)}): " + (", ".join(fused) or "none"))
+        for install in self._head_installs:
+            lines.append(f"  loss without logits (forge_dsl.fused_head): {install.describe()}")
         if shared:
             lines.append(f"  unfused, used several times in the last step ({len(shared)}): " + ", ".join(shared))
         if bypassed:

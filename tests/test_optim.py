@@ -237,9 +237,9 @@ def test_matches_torch(name, model_name):
     assert_params_close(ours, theirs)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_fused_moved(opt, ours, before)
-    # All nn.Linear weights were fused; the rest (embedding, norms, biases) stepped in step().
-    n_linear = sum(isinstance(m, nn.Linear) for m in ours.modules())
-    assert len(fused_names(opt)) == n_linear
+    # All nn.Linear and nn.Embedding weights were fused; the rest (norms, biases) stepped in step().
+    fused_modules = [m for m in ours.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    assert len(fused_names(opt)) == len(fused_modules)
     # Step counters as torch counts them.
     for p in ours.parameters():
         assert int(opt.state[p]["step"]) == steps
@@ -267,7 +267,7 @@ def test_model_structure_unchanged():
     opt = ForgeOptimizer(model, "adamw")
     assert list(model.state_dict()) == keys
     assert [(n, type(m)) for n, m in model.named_modules()] == modules
-    assert "fused in backward (15)" in opt.describe()  # 2 layers × 7 projections + lm_head
+    assert "fused in backward (16)" in opt.describe()  # 2 layers × 7 projections + lm_head + the embedding
 
 
 def test_keyword_names_and_defaults_match_torch():

@@ -37,7 +37,7 @@ from .policy import TileConfig, fused_config, stored_bytes
 __all__ = ["Resources", "compile_fused", "main"]
 
 _STATE_POINTER = {StateLayout.FP32: "*fp32", StateLayout.BF16: "*i16", StateLayout.INT8: "*i8",
-                  StateLayout.UINT8_SQRT: "*u8"}
+                  StateLayout.UINT8_SQRT: "*u8", StateLayout.INT4: "*i8", StateLayout.UINT4: "*u8"}
 # Arguments the JIT would see as multiples of 16 for the usual layer sizes (pointers and sizes).
 _DIVISIBLE = {"X", "DY", "W", "N", "K", "n_blocks", "stride_xt", "stride_dyt"}
 
