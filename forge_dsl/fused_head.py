@@ -208,8 +208,11 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: Optional[
         loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
         return loss if num_items_in_batch is None else loss / _on_device(num_items_in_batch, loss.device)
     valid = targets != ignore_index
-    outside = valid & ((targets < 0) | (targets >= V))
-    if outside.any():  # the one host sync: a target outside the vocabulary would silently count as logit 0
+    outside = valid & ((targets < 0) | (targets >= V))  # would silently count as logit 0
+    if targets.device.type == "cuda":  # a device-side assert, as F.cross_entropy's: no host sync every step
+        torch._assert_async(~outside.any(), f"forge_dsl.fused_head: target ids outside [0, {V}) that are not "
+                                            f"ignore_index ({ignore_index})")
+    elif outside.any():
         raise ValueError(f"{'shift_labels' if shift_labels is not None else 'labels'} hold "
                          f"{int(outside.sum())} target ids outside [0, {V}) that are not ignore_index "
                          f"({ignore_index}), e.g. {int(targets[outside][0])}")
