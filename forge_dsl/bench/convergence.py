@@ -11,6 +11,9 @@ initial weights and the same batches in the same order in every run:
     forge-fp32               ForgeOptimizer adamw, fp32 weights and state
     forge-bf16-sr            bf16 weights written with stochastic rounding, bf16 state
     forge-bf16-sr-int8       the same with int8 (block-64) state
+    forge-bf16-sr-int4       the same with int4 (block-64) state
+    forge-bf16-sr-head       bf16 state, the loss without logits (`lm_head_loss=True`: the LM head updated
+                             a vocabulary block at a time)
     forge-bf16-nearest       bf16 weights written with round-to-nearest, bf16 state
 
 AdamW lr 1e-3 (linear warm-up over the first 5 % of steps, cosine decay to
@@ -51,6 +54,7 @@ class Run:
     weights: str  # "fp32" or "bf16"
     state: Optional[str] = None  # FORGE state layout; None: torch.optim.AdamW
     rounding: str = "stochastic"
+    head_loss: bool = False  # FORGE's loss without logits (ForgeOptimizer(lm_head_loss=True))
 
 
 RUNS = {r.name: r for r in (
@@ -59,6 +63,8 @@ RUNS = {r.name: r for r in (
     Run("forge-fp32", "fp32", "fp32"),
     Run("forge-bf16-sr", "bf16", "bf16"),
     Run("forge-bf16-sr-int8", "bf16", "int8"),
+    Run("forge-bf16-sr-int4", "bf16", "int4"),
+    Run("forge-bf16-sr-head", "bf16", "bf16", head_loss=True),
     Run("forge-bf16-nearest", "bf16", "bf16", "nearest"),
 )}
 
@@ -155,7 +161,7 @@ def train(run: Run, initial: torch.nn.Module, data: torch.Tensor, device: torch.
         opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPERS)
     else:
         opt = forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=run.state, rounding=run.rounding, seed=SEED,
-                                       **HYPERS)
+                                       lm_head_loss=run.head_loss, **HYPERS)
     steps = len(data)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
     losses, times = [], []
@@ -163,8 +169,11 @@ def train(run: Run, initial: torch.nn.Module, data: torch.Tensor, device: torch.
         window = data[i].to(device)
         synchronize(device)
         start = time.perf_counter()
-        logits = model(input_ids=window[:, :-1], use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
+        if run.head_loss:  # the same loss: transformers shifts the labels, the last position predicts nothing
+            loss = model(input_ids=window, labels=window, use_cache=False).loss
+        else:
+            logits = model(input_ids=window[:, :-1], use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
