@@ -79,11 +79,18 @@ def test_model_smoke(tmp_path, capsys):
     rows = {r["method"]: r for r in data["rows"]}
     assert set(rows) == {"torch-adamw", "forge-bf16"}
     for r in rows.values():
-        assert r["status"] == "ok" and r["model"] == "tiny-llama" and r["loss"] == "transformers"
+        assert r["status"] == "ok" and r["model"] == "tiny-llama"
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0
-        for pool in ("peak", "weights", "optimizer_state", "gradients", "rest"):
+        for pool in ("peak", "weights", "optimizer_state", "gradients", "logits", "rest"):
             assert r[f"{pool}_gib"] is None  # memory is measured on CUDA only
-    assert data["settings"]["loss"] == "transformers"
+        assert r["at_peak_gib"] is None and r["peak_phase"] is None
+        assert r["activations_gib"] > 0  # saved tensors are counted on any device
+    # FORGE takes the loss without logits by default, the others --loss; the table says which
+    assert rows["forge-bf16"]["loss"] == "fused-head" and rows["torch-adamw"]["loss"] == "transformers"
+    assert data["settings"]["loss"] == "transformers" and data["settings"]["forge_head"] is True
+    lines = {line.split("|")[5].strip(): line for line in model.table(data["rows"]).splitlines()[2:]}
+    assert [c.strip() for c in lines["forge-bf16"].split("|")[6:8]] == ["fused-head", "ok"]
+    assert [c.strip() for c in lines["torch-adamw"].split("|")[6:8]] == ["transformers", "ok"]
 
 
 def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monkeypatch):
@@ -116,6 +123,213 @@ def test_model_smoke_inplace_loss(tmp_path, capsys):
     (row,) = data["rows"]
     assert row["status"] == "ok" and row["loss"] == "inplace" and row["step_ms"] > 0
     assert data["settings"]["loss"] == "inplace"
+
+
+def tiny_bench_model(seed: int) -> torch.nn.Module:
+    """forge-bench model's tiny-llama, built as the benchmark builds it (random init from the global RNG)."""
+    torch.manual_seed(seed)
+    return model.build_model("tiny-llama", torch.device("cpu"))
+
+
+def tiny_ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, model.MODELS["tiny-llama"][1]["vocab_size"], (1, 32),
+                         generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["head-on", "head-off"])
+def test_model_forge_int4_steps_every_weight_on_the_head_path_or_not(head):
+    """forge-int4 with --forge-head on: the loss without logits; off: transformers' loss. Either way every Linear
+    and Embedding weight is updated in backward (only the norms have a dense gradient) with int4 state."""
+    from forge_dsl import layouts
+
+    net = tiny_bench_model(seed=3)
+    method = model.ALL_METHODS["forge-int4"]
+    settings = {"forge_head": head, "loss": "transformers"}
+    assert model.fused_head_applies(net, method, settings, compiled=False) is head
+    assert not model.fused_head_applies(net, method, settings, compiled=True)  # compiled: the plain path
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    finish = method.attach(net, head)
+    ids = tiny_ids(seed=4)
+    grads = model.train_step(net, ids, finish, model.FUSED_HEAD if head else "transformers")
+    assert grads == sum(p.nbytes for n, p in net.named_parameters() if "norm" in n)
+    with torch.no_grad():
+        assert (net(input_ids=ids, labels=ids, use_cache=False).logits is None) is head
+    opt = finish.optimizer
+    for name, p in net.named_parameters():
+        if p.dim() == 2:  # (a norm weight at 1.0 moves by less than a bf16 ulp at lr 1e-5)
+            assert not torch.equal(p.detach(), before[name]), name
+            assert layouts.layout_of(opt.state[p]["exp_avg"], p.shape) is layouts.StateLayout.INT4, name
+    finish.optimizer.detach()
+
+
+def _fake_bitsandbytes(monkeypatch, made: list):
+    """A `bitsandbytes` whose optim.AdamW8bit is torch's AdamW (recorded as made), for machines without it."""
+    import importlib.machinery
+    import types
+
+    class AdamW8bit(torch.optim.AdamW):
+        def __init__(self, params, lr):
+            super().__init__(params, lr=lr)
+            made.append(self)
+
+    bnb = types.ModuleType("bitsandbytes")
+    bnb.__spec__ = importlib.machinery.ModuleSpec("bitsandbytes", None)
+    bnb.optim = types.SimpleNamespace(AdamW8bit=AdamW8bit)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
+
+
+@pytest.mark.parametrize("name", ["torch-adamw-in-backward", "bnb-adamw8bit-in-backward"])
+def test_model_in_backward_methods_step_each_parameter_in_backward(name, monkeypatch):
+    """One optimizer per parameter, stepped in backward, its gradient dropped: the weights after two steps are
+    torch AdamW's on a copy of the model stepped after backward. bitsandbytes' AdamW8bit is torch's AdamW here
+    (a stand-in module where bitsandbytes is not installed), to check the wiring exactly."""
+    made: list = []
+    bnb = name.startswith("bnb")
+    if bnb:
+        _fake_bitsandbytes(monkeypatch, made)
+    net = tiny_bench_model(seed=5)
+    reference = copy.deepcopy(net)
+    # torch-adamw-in-backward's AdamW is fused=True; the stand-in for bitsandbytes' the default one
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=model.LR, fused=not bnb)
+    finish = model.METHODS[name].attach(net)
+    try:
+        for step in range(2):
+            ids = tiny_ids(seed=10 + step)
+            assert model.train_step(net, ids, finish, "transformers") == 0  # every gradient dropped in backward
+            reference(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        if bnb:
+            assert len(made) == len(list(net.parameters()))
+        for (n, p), p_ref in zip(net.named_parameters(), reference.parameters()):
+            assert p.grad is None, n
+            torch.testing.assert_close(p, p_ref, rtol=0, atol=0, msg=n)
+    finally:
+        finish.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_model_bnb_adamw8bit_in_backward_with_bitsandbytes():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(6)
+    net = model.build_model("tiny-llama", device)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    finish = model.METHODS["bnb-adamw8bit-in-backward"].attach(net)
+    try:
+        assert model.train_step(net, tiny_ids(seed=7).to(device), finish, "transformers") == 0
+    finally:
+        finish.close()
+    for n, p in net.named_parameters():
+        assert p.grad is None, n
+        if p.dim() == 2:  # (a norm weight at 1.0 moves by less than a bf16 ulp at lr 1e-5)
+            assert not torch.equal(p.detach(), before[n]), n
+
+
+def test_saved_bytes_counts_each_saved_storage_once_without_parameters():
+    weight = torch.nn.Parameter(torch.randn(8, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    saved = model.SavedBytes({weight.untyped_storage().data_ptr()})
+    with saved:
+        y = torch.nn.functional.linear(x, weight)  # saves x and the weight
+        z = torch.relu(y)  # saves its output
+        w = x * x  # saves x twice: counted once
+    assert saved.bytes == x.nbytes + z.nbytes
+    (z.sum() + w.sum()).backward()  # the identity hooks leave autograd's result as it was
+    torch.testing.assert_close(x.grad, (z > 0).float() @ weight.detach() + 2 * x.detach())
+
+
+class PhaseLog(model.StepMemory):
+    """A StepMemory that records its cuts (off CUDA, where the real one records nothing)."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"), lambda: 0)
+        self.cuts = []
+
+    def cut(self, next_phase):
+        self.cuts.append(next_phase)
+        self.phase = next_phase
+
+
+@pytest.mark.parametrize("loss", ["transformers", "inplace", "fused-head"])
+def test_model_step_phases_are_cut_in_order(loss):
+    """The hooks cut a step into forward, loss, backward, optimizer, once each, for every loss (the loss ends
+    where the gradient reaches the logits, or the decoder's output under the fused head)."""
+    net = tiny_bench_model(seed=8)
+    head = loss == model.FUSED_HEAD
+    finish = model.METHODS["forge-bf16" if head else "torch-adamw"].attach(net, head) if head else \
+        model.METHODS["torch-adamw"].attach(net)
+    log = PhaseLog()
+    remove = model.instrument(net, lambda: log, hook_head=not head)
+    try:
+        model.train_step(net, tiny_ids(seed=9), finish, loss, log)
+    finally:
+        remove()
+    assert log.cuts == ["forward", "loss", "backward", "optimizer", None]
+    assert log.activations > 0
+
+
+def _filled_meter(phase_peaks: dict) -> model.StepMemory:
+    meter = model.StepMemory(torch.device("cpu"), lambda: 0)
+    meter.peaks = dict(phase_peaks)
+    meter.allocated_at = {"forward": 100, "loss": 160, "backward": 150, "optimizer": 170}
+    meter.grads_at = {"forward": 0, "loss": 0, "backward": 5, "optimizer": 40}
+    meter.activations = 30
+    return meter
+
+
+@pytest.mark.parametrize("phase", model.PHASES)
+def test_model_pools_at_the_peak_add_up_to_it(phase):
+    peaks = {"forward": 170, "loss": 190, "backward": 185, "optimizer": 180}
+    peaks[phase] = 250
+    at = model.resident_at_peak(_filled_meter(peaks), weights=60, state=35, leftover=1)
+    pools = at["pools"]
+    assert at["phase"] == phase and at["peak"] == 250
+    assert sum(pools.values()) == 250
+    assert (pools["weights"], pools["optimizer_state"], pools["leftover"]) == (60, 35, 1)
+    # the loss's own memory and the saved activations are resident in the loss phase only
+    expected = {"forward": (0, 0, 0), "loss": (250 - 160, 30, 5), "backward": (0, 0, 40), "optimizer": (0, 0, 40)}
+    assert (pools["logits"], pools["activations"], pools["gradients"]) == expected[phase]
+    row = {"at_peak_gib": {k: model.gib(v) for k, v in pools.items()}}
+    assert sum(model.peak_pools(row).values()) == pytest.approx(model.gib(250))  # the leftover in workspace
+
+
+def test_model_table_reads_records_before_the_pools():
+    old = {"model": "llama3.1-8b", "seq": 2048, "checkpointing": True, "method": "torch-adamw", "status": "ok",
+           "peak_gib": 59.9, "weights_gib": 15.0, "optimizer_state_gib": 30.0, "gradients_gib": 14.0,
+           "rest_gib": 0.9, "step_ms": 1.0, "tokens_per_s": 2048.0}
+    assert model.peak_pools(old) == {"weights": 15.0, "optimizer_state": 30.0, "gradients": 14.0, "logits": None,
+                                     "activations": None, "workspace": 0.9}
+    header, _, line = model.table([old]).splitlines()
+    cells = dict(zip([h.strip() for h in header.split("|")], [c.strip() for c in line.split("|")]))
+    assert cells["loss"] == "transformers"  # records from before v3 have no loss
+    assert (cells["grads GiB"], cells["logits GiB"], cells["workspace GiB"]) == ("14.000", "—", "0.900")
+
+
+@pytest.mark.gpu
+def test_model_step_memory_on_gpu():
+    """On CUDA: the pools at the peak add up to it, and the peak of the phases is the peak of the same steps
+    measured whole (the cuts allocate nothing)."""
+    device = torch.device("cuda")
+    settings = {"warmup_steps": 1, "measured_steps": 2, "loss": "transformers", "forge_head": True}
+    for name in ("torch-adamw", "forge-bf16"):
+        m = model.measure("tiny-llama", model.METHODS[name], 64, True, device, settings)
+        assert sum(m["at_peak"].values()) == m["peak"]
+        assert m["logits"] > 0 and m["activations"] > 0
+        assert m["loss"] == ("fused-head" if name == "forge-bf16" else "transformers")
+        model.free_memory(device)
+    torch.manual_seed(0)
+    net = model.build_model("tiny-llama", device)
+    finish = model.METHODS["torch-adamw"].attach(net)
+    ids = tiny_ids(seed=1).to(device)
+    model.train_step(net, ids, finish, "transformers")
+    meter = model.StepMemory(device, lambda: model.materialized_grad_bytes(net))
+    remove = model.instrument(net, lambda: meter)
+    model.train_step(net, ids, finish, "transformers", meter)
+    remove()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    model.train_step(net, ids, finish, "transformers")
+    assert meter.peak == torch.cuda.max_memory_allocated()
 
 
 def block_matplotlib(monkeypatch):

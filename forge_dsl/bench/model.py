@@ -5,15 +5,24 @@ drawn from N(0, 0.02²), norm weights 1; the real dims are written below, nothin
 is downloaded), batch 1 × 512 and 1 × 2048 tokens, activation checkpointing off
 and on, AdamW (lr 1e-5, torch defaults otherwise) run by:
 
-    torch-adamw              torch.optim.AdamW(fused=True); state in the weights' dtype, bf16
-    torch-adamw-in-backward  one fused AdamW per parameter, stepped by a post-accumulate-grad hook
-                             that then drops the gradient (PyTorch's optimizer-in-backward recipe)
-    forge-bf16, forge-int8   forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=...)
-    torchao-adamw8bit        torchao.optim.AdamW8bit        (only if torchao is installed)
-    bnb-adamw8bit            bitsandbytes.optim.AdamW8bit   (only if bitsandbytes is installed)
+    torch-adamw                 torch.optim.AdamW(fused=True); state in the weights' dtype, bf16
+    torch-adamw-in-backward     one fused AdamW per parameter, stepped by a post-accumulate-grad hook
+                                that then drops the gradient (PyTorch's optimizer-in-backward recipe)
+    forge-bf16, forge-int8,     forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=...): every nn.Linear and
+    forge-int4                  nn.Embedding weight updated inside backward (no dense gradient); with
+                                --forge-head on (the default) also lm_head_loss=True, the loss without logits
+    torchao-adamw8bit           torchao.optim.AdamW8bit        (only if torchao is installed)
+    bnb-adamw8bit               bitsandbytes.optim.AdamW8bit   (only if bitsandbytes is installed)
+    bnb-adamw8bit-in-backward   one bitsandbytes AdamW8bit per parameter, stepped by a post-accumulate-grad
+                                hook that then drops the gradient, as torch-adamw-in-backward does
 
 The loss is transformers' causal-LM cross-entropy (labels = the ids shifted by
-one), computed by `--loss`:
+one).  For the FORGE methods with `--forge-head on` (the default) it is
+`forge_dsl.fused_head`'s loss without logits (`model(input_ids, labels=ids)` of the
+model ForgeOptimizer(..., lm_head_loss=True) installed it on; loss column
+"fused-head"), where fused_head.install accepts the model and the run is not
+compiled (under torch.compile the fused head takes its plain path).  Every other
+row computes it by `--loss`:
 
     transformers  model(input_ids=ids, labels=ids).loss: the [T, vocab] logits upcast to fp32, with the
                   log-softmax and its gradient kept (~3.5 GiB at 2048 × 151936: the step's peak)
@@ -21,11 +30,34 @@ one), computed by `--loss`:
                   written into the bf16 logits in the forward (Liger-Kernel's cross-entropy, in PyTorch)
 
 Each run starts from an empty allocator with a fresh model.  After the warm-up
-steps: peak memory (max_memory_allocated over the measured steps), the median
-step time (cuda-synchronized), tokens/s and a breakdown of the peak: weights;
-optimizer state (memory still allocated after a warm-up step, gradients freed,
-minus the weights); gradients still materialized at the end of backward; the
-rest (activations, workspace).  An OOM is a result, recorded as "OOM".
+steps: peak memory, the median step time (cuda-synchronized), tokens/s, and the
+memory pools, each measured in the run itself:
+
+    weights          the parameters' bytes
+    optimizer state  memory still allocated after the warm-up steps (gradients freed) minus what was
+                     allocated with the weights alone, before the optimizer was built
+    gradients        bytes of the .grad tensors materialized at the end of backward (a fused weight's
+                     ConsumedGrad holds none; in-backward methods have dropped theirs)
+    activations      bytes the decoder's forward (model.model) saves for backward: every tensor packed by
+                     torch.autograd.graph.saved_tensors_hooks during it, one count per storage, parameters
+                     left out (with checkpointing: the checkpointed layers' inputs and what lies outside them)
+    logits           the loss's own memory: the allocator's peak between the decoder's output and the
+                     gradient reaching the logits (or, for the fused head, the decoder's output) in backward,
+                     minus what was allocated at the decoder's output: the logits, their fp32 copies and
+                     their gradient (the fused head: one vocabulary block of them, and its in-backward update)
+    workspace        the peak minus the pools resident at the peak (below): everything else (the decoder's
+                     recomputed activations, autograd's transient gradients, cuBLAS and kernel workspaces)
+
+The step is cut into phases at those points (forward: to the decoder's output; loss: to the gradient at the
+logits or the hidden states; backward: to the end of loss.backward(); optimizer: the step after it), the
+allocator's peak statistic reset at each cut, so the peak is the largest phase peak of the measured steps and
+`peak_phase` says where it is.  Resident at a peak in the loss phase: weights, state, activations, logits and
+the gradients materialized by then; in the backward or optimizer phase: weights, state and the gradients at
+the end of backward (activations and logits are then freed or being freed: what is left of them counts as
+workspace); in the forward phase: weights, state and gradients.  The resident pools and the workspace add up
+to the peak.  Compiled runs (--compile on) measure no phases, activations or logits: their workspace is the
+peak minus weights, state and gradients.  Memory is measured on CUDA only (activations on the CPU too).  An
+OOM is a result, recorded as "OOM".
 """
 
 from __future__ import annotations
@@ -88,11 +120,13 @@ LOSSES = {
 @dataclass(frozen=True)
 class Method:
     """An optimizer setup: `attach(model)` returns what to run after `loss.backward()` in every step
-    (with an optional `.close()` that undoes the attachment at the end of the run)."""
+    (with an optional `.close()` that undoes the attachment at the end of the run). A method with
+    `fused_head` is attached as `attach(model, head)`: head True gives it the loss without logits."""
 
     name: str
-    attach: Callable[[torch.nn.Module], Callable[[], None]]
+    attach: Callable[..., Callable[[], None]]
     needs: Optional[str] = None  # a package that must be importable
+    fused_head: bool = False  # FORGE: can compute the loss without logits (ForgeOptimizer's lm_head_loss)
 
 
 def _stepper(opt: torch.optim.Optimizer) -> Callable[[], None]:
@@ -100,6 +134,7 @@ def _stepper(opt: torch.optim.Optimizer) -> Callable[[], None]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    finish.optimizer = opt
     return finish
 
 
@@ -107,8 +142,10 @@ def _torch_adamw(model):
     return _stepper(torch.optim.AdamW(model.parameters(), lr=LR, fused=True))
 
 
-def _torch_adamw_in_backward(model):
-    optimizers = {p: torch.optim.AdamW([p], lr=LR, fused=True) for p in model.parameters()}
+def _in_backward(model, make_optimizer: Callable[[list], torch.optim.Optimizer]):
+    """One optimizer per parameter (`make_optimizer([p])`), stepped by a post-accumulate-grad hook that then
+    drops the gradient: at most one parameter's gradient is alive at a time after its accumulation."""
+    optimizers = {p: make_optimizer([p]) for p in model.parameters()}
 
     def hook(p):
         optimizers[p].step()
@@ -127,21 +164,35 @@ def _torch_adamw_in_backward(model):
         optimizers.clear()
 
     finish.close = close
+    finish.optimizers = optimizers
     return finish
 
 
+def _torch_adamw_in_backward(model):
+    return _in_backward(model, lambda params: torch.optim.AdamW(params, lr=LR, fused=True))
+
+
+def _bnb_adamw8bit_in_backward(model):
+    import bitsandbytes
+
+    return _in_backward(model, lambda params: bitsandbytes.optim.AdamW8bit(params, lr=LR))
+
+
 def _forge(state_dtype: str, linear_path: str = "auto"):
-    return lambda model: _stepper(forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=state_dtype, lr=LR,
-                                                           linear_path=linear_path))
+    def attach(model, head: bool = False):
+        return _stepper(forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=state_dtype, lr=LR,
+                                                 linear_path=linear_path, lm_head_loss=head))
+
+    return attach
 
 
 def _forge_checked(state_dtype: str):
     """FORGE with every launch checked (`forge_dsl.kernels.prepared` off): the host path before v14."""
-    def attach(model):
+    def attach(model, head: bool = False):
         from forge_dsl.kernels import prepared
 
         prepared.set_enabled(False)
-        finish = _forge(state_dtype)(model)
+        finish = _forge(state_dtype)(model, head)
         finish.close = lambda: prepared.set_enabled(None)
         return finish
 
@@ -163,16 +214,19 @@ def _bnb_adamw8bit(model):
 METHODS = {m.name: m for m in (
     Method("torch-adamw", _torch_adamw),
     Method("torch-adamw-in-backward", _torch_adamw_in_backward),
-    Method("forge-bf16", _forge("bf16")),
-    Method("forge-int8", _forge("int8")),
+    Method("forge-bf16", _forge("bf16"), fused_head=True),
+    Method("forge-int8", _forge("int8"), fused_head=True),
+    Method("forge-int4", _forge("int4"), fused_head=True),
     Method("torchao-adamw8bit", _torchao_adamw8bit, needs="torchao"),
     Method("bnb-adamw8bit", _bnb_adamw8bit, needs="bitsandbytes"),
+    Method("bnb-adamw8bit-in-backward", _bnb_adamw8bit_in_backward, needs="bitsandbytes"),
 )}
 # Not in the default list: FORGE with every linear layer's update on one path, to compare the paths
 # that `linear_path="auto"` chooses between; and FORGE without reused launches, to measure them.
 PATH_METHODS = {m.name: m for m in (
-    *(Method(f"forge-{state}-{path}", _forge(state, path)) for state in ("bf16", "int8") for path in ("fused", "slab")),
-    *(Method(f"forge-{state}-checked", _forge_checked(state)) for state in ("bf16", "int8")),
+    *(Method(f"forge-{state}-{path}", _forge(state, path), fused_head=True)
+      for state in ("bf16", "int8") for path in ("fused", "slab")),
+    *(Method(f"forge-{state}-checked", _forge_checked(state), fused_head=True) for state in ("bf16", "int8")),
 )}
 ALL_METHODS = {**METHODS, **PATH_METHODS}
 
@@ -193,8 +247,14 @@ def add_arguments(ap) -> None:
     ap.add_argument("--checkpointing", choices=("off", "on", "both"),
                     help="activation checkpointing (default: both; --quick: off)")
     ap.add_argument("--loss", choices=tuple(LOSSES), default="transformers",
-                    help="transformers: model(..., labels=ids).loss; inplace: the same loss from fp32 chunks, "
-                         "its gradient written into the bf16 logits (default: transformers)")
+                    help="the loss of the non-FORGE methods (and of FORGE with --forge-head off): transformers: "
+                         "model(..., labels=ids).loss; inplace: the same loss from fp32 chunks, its gradient "
+                         "written into the bf16 logits (default: transformers)")
+    ap.add_argument("--forge-head", choices=("on", "off"), default="on",
+                    help="on: the FORGE methods compute the loss without logits (ForgeOptimizer(..., "
+                         "lm_head_loss=True), loss column 'fused-head') where forge_dsl.fused_head accepts the "
+                         "model and the run is not compiled; off: they use --loss. Their nn.Embedding weights "
+                         "are fused either way (default: on)")
     ap.add_argument("--compile", choices=("off", "on", "both"), default="off",
                     help="run the model under torch.compile (inductor, default mode; the warm-up steps compile "
                          "it); default: off")
@@ -227,7 +287,7 @@ def resolve_settings(args, device: torch.device) -> dict:
     return {"models": models, "methods": methods, "batch": 1, "seq": seqs,
             "checkpointing": [False, True] if checkpointing == "both" else [checkpointing == "on"],
             "compile": [False, True] if args.compile == "both" else [args.compile == "on"],
-            "loss": args.loss, "warmup_steps": args.warmup, "measured_steps": args.steps, "lr": LR, "dtype": "bf16",
+            "loss": args.loss, "forge_head": args.forge_head == "on", "warmup_steps": args.warmup, "measured_steps": args.steps, "lr": LR, "dtype": "bf16",
             "dims": {m: MODELS[m][1] for m in models}}
 
 
@@ -266,15 +326,173 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: str) -> int:
-    """Forward, backward, optimizer; returns the bytes of gradients materialized at the end of backward."""
-    loss = LOSSES[loss_name](model, ids)
+# the loss of a row: --loss's, or "fused-head": the forward fused_head.install gave the model (labels → loss)
+FUSED_HEAD = "fused-head"
+LOSS_FUNCTIONS = {**LOSSES, FUSED_HEAD: LOSSES["transformers"]}
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
+class SavedBytes:
+    """Bytes of the tensors autograd saves for backward while entered (`torch.autograd.graph.saved_tensors_hooks`):
+    one count per storage, the storages whose data pointers are in `exclude` (the parameters) left out."""
+
+    def __init__(self, exclude: set) -> None:
+        self.exclude = exclude
+        self.seen: set = set()
+        self.bytes = 0
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.exclude and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += storage.nbytes()
+        return t
+
+    def __enter__(self) -> "SavedBytes":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+
+
+class StepMemory:
+    """One training step cut into `PHASES` by the allocator's statistics: at each `cut(next)`, the peak of the
+    phase that ends (max_memory_allocated since the last cut), then what is allocated and the gradient bytes
+    materialized as `next` starts, then the peak statistic reset. Only on CUDA (elsewhere nothing is recorded);
+    no synchronization is needed, the caching allocator counts on the host as it hands out blocks."""
+
+    def __init__(self, device: torch.device, grad_bytes: Callable[[], int]) -> None:
+        self.device = device
+        self.grad_bytes = grad_bytes
+        self.phase: Optional[str] = None
+        self.peaks: dict = {}  # phase -> bytes
+        self.allocated_at: dict = {}  # phase -> bytes allocated as it starts
+        self.grads_at: dict = {}  # phase -> gradient bytes materialized as it starts
+        self.activations: Optional[int] = None  # SavedBytes of the decoder's forward, when measured
+
+    def cut(self, next_phase: Optional[str]) -> None:
+        if self.device.type != "cuda":
+            return
+        if self.phase is not None:
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), torch.cuda.max_memory_allocated(self.device))
+        if next_phase is not None:
+            self.allocated_at[next_phase] = torch.cuda.memory_allocated(self.device)
+            self.grads_at[next_phase] = self.grad_bytes()
+        self.phase = next_phase
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def end_loss(self) -> None:
+        """The gradient reached the logits (or the decoder's output): the loss phase ends, if it is on."""
+        if self.phase == "loss":
+            self.cut("backward")
+
+    @property
+    def peak(self) -> Optional[int]:
+        return max(self.peaks.values()) if self.peaks else None
+
+    @property
+    def logits(self) -> Optional[int]:
+        """The loss's own memory: its phase's peak above what was allocated as it started."""
+        if "loss" not in self.peaks:
+            return None
+        return self.peaks["loss"] - self.allocated_at["loss"]
+
+
+def materialized_grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters' .grad; a fused weight's .grad after its update is a ConsumedGrad, which holds none."""
+    return sum(p.grad.nbytes for p in model.parameters()
+               if p.grad is not None and not isinstance(p.grad, ConsumedGrad))
+
+
+def instrument(model: torch.nn.Module, get_meter: Callable[[], Optional[StepMemory]],
+               hook_head: bool = True) -> Callable[[], None]:
+    """Hooks that cut the step of `get_meter()` (when it returns one) into phases and count the decoder's saved
+    activations: the decoder (`model.model`) forward's end starts the loss; the gradient at `model.lm_head`'s
+    output (with `hook_head`; else, and where the head is not called, at the decoder's output) starts the
+    backward. `hook_head` must be False under the fused head, which refuses a head with forward hooks (it never
+    calls the head). Returns the remover."""
+    decoder, head = model.model, (getattr(model, "lm_head", None) if hook_head else None)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    counting: list = []
+
+    def before_decoder(module, args, kwargs):
+        meter = get_meter()
+        if meter is not None:
+            counting.append(SavedBytes(params).__enter__())
+
+    def after_decoder(module, args, kwargs, output):
+        meter = get_meter()
+        if meter is None:
+            return
+        if counting:
+            saved = counting.pop()
+            saved.__exit__(None, None, None)
+            meter.activations = saved.bytes
+        meter.cut("loss")
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: meter.end_loss())
+
+    def after_head(module, args, output):
+        meter = get_meter()
+        if meter is not None and output.requires_grad:
+            output.register_hook(lambda grad: meter.end_loss())
+
+    handles = [decoder.register_forward_pre_hook(before_decoder, with_kwargs=True),
+               decoder.register_forward_hook(after_decoder, with_kwargs=True)]
+    if head is not None:
+        handles.append(head.register_forward_hook(after_head))
+
+    def remove():
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
+def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: str,
+               meter: Optional[StepMemory] = None) -> int:
+    """Forward, backward, optimizer; returns the bytes of gradients materialized at the end of backward. With a
+    `meter`, the step's phases are cut at its start, after backward and at its end (the model's hooks from
+    `instrument` cut the rest)."""
+    if meter is not None:
+        meter.cut("forward")
+    loss = LOSS_FUNCTIONS[loss_name](model, ids)
     loss.backward()
-    # a fused weight's .grad after its update is a ConsumedGrad, which holds no memory
-    grad_bytes = sum(p.grad.nbytes for p in model.parameters()
-                     if p.grad is not None and not isinstance(p.grad, ConsumedGrad))
+    grad_bytes = materialized_grad_bytes(model)
+    if meter is not None:
+        meter.cut("optimizer")
     finish()
+    if meter is not None:
+        meter.cut(None)
     return grad_bytes
+
+
+def resident_at_peak(meter: StepMemory, weights: int, state: int, leftover: int) -> dict:
+    """The pools resident at the step's peak, in bytes, adding up to it: weights and optimizer state always;
+    in the loss phase the decoder's saved activations, the logits and the gradients materialized at its end; in
+    the forward phase the gradients at its end; in the backward and optimizer phases the gradients at the end of
+    backward; what an earlier run left allocated (`leftover`); the workspace, the rest."""
+    peak = meter.peak
+    phase = max(meter.peaks, key=meter.peaks.get)
+    pools = {"weights": weights, "optimizer_state": state, "gradients": 0, "logits": 0, "activations": 0,
+             "leftover": leftover}
+    grads_end = meter.grads_at.get("optimizer", 0)  # as the optimizer phase starts: at the end of backward
+    if phase == "forward":
+        pools["gradients"] = meter.grads_at.get("loss", grads_end)
+    elif phase == "loss":
+        pools["gradients"] = meter.grads_at.get("backward", grads_end)
+        pools["logits"] = meter.logits or 0
+        pools["activations"] = meter.activations or 0
+    else:
+        pools["gradients"] = grads_end
+    pools["workspace"] = peak - sum(pools.values())
+    return {"phase": phase, "peak": peak, "pools": pools}
 
 
 def measure(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device,
@@ -286,50 +504,82 @@ def measure(name: str, method: Method, seq: int, checkpointing: bool, device: to
         enable_checkpointing(model)
     weights = sum(p.nbytes for p in model.parameters())
     allocated_with_weights = allocated_bytes(device)
-    finish = method.attach(model)
+    head = fused_head_applies(model, method, settings, compiled)
+    loss_name = FUSED_HEAD if head else settings["loss"]
+    finish = method.attach(model, head) if method.fused_head else method.attach(model)
     try:
         if compiled:
             torch._dynamo.reset()  # each run compiles its own graphs
         runner = torch.compile(model) if compiled else model
-        grads, persistent, times = _run_steps(runner, finish, seq, device, settings)
+        grads, persistent, times, meter = _run_steps(runner, finish, seq, device, settings, loss_name,
+                                                     instrumented=not compiled)
     finally:
         getattr(finish, "close", lambda: None)()
     timing = {"params": sum(p.numel() for p in model.parameters()), "step_ms": statistics.median(times),
-              "step_ms_all": times, "leftover": leftover}
+              "step_ms_all": times, "leftover": leftover, "loss": loss_name,
+              "activations": meter.activations if not compiled else None}
     if device.type != "cuda":
-        return {**timing, **dict.fromkeys(("peak", "weights", "optimizer_state", "gradients", "rest"))}
-    peak = peak_memory_bytes(device)
+        return {**timing, **dict.fromkeys(("peak", "weights", "optimizer_state", "gradients", "rest", "logits")),
+                "peak_phase": None, "at_peak": None}
+    peak = meter.peak
     state = persistent - allocated_with_weights
+    at_peak = resident_at_peak(meter, weights, state, leftover or 0)
     return {**timing, "peak": peak, "weights": weights, "optimizer_state": state, "gradients": grads,
-            "rest": peak - weights - state - grads - (leftover or 0)}
+            "logits": meter.logits, "rest": peak - weights - state - grads - (leftover or 0),
+            "peak_phase": at_peak["phase"] if not compiled else None, "at_peak": at_peak["pools"]}
 
 
-def _run_steps(model, finish, seq: int, device: torch.device, settings: dict):
-    """Warm-up steps, then timed steps from a reset memory peak: (gradient bytes, memory between steps,
-    step times in ms)."""
+def fused_head_applies(model: torch.nn.Module, method: Method, settings: dict, compiled: bool) -> bool:
+    """Whether this run's method computes the loss without logits: a FORGE method, --forge-head on, not compiled
+    (under torch.compile the fused head takes its plain path), and a model fused_head.install accepts."""
+    if not (method.fused_head and settings.get("forge_head", False)) or compiled:
+        return False
+    from .. import fused_head
+
+    try:
+        fused_head.check_installable(model)
+    except ValueError:
+        return False
+    return True
+
+
+def _run_steps(model, finish, seq: int, device: torch.device, settings: dict, loss_name: str,
+               instrumented: bool = True):
+    """Warm-up steps, then measured steps, each cut into phases by a StepMemory: (gradient bytes, memory between
+    steps, step times in ms, the StepMemory of all measured steps: each phase's largest peak)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = getattr(model, "_orig_mod", model).config.vocab_size
     ids = torch.randint(0, vocab, (1, seq), generator=gen).to(device)
     grads = 0
     for _ in range(settings["warmup_steps"]):
-        grads = train_step(model, ids, finish, settings["loss"])
+        grads = train_step(model, ids, finish, loss_name)
     synchronize(device)
     persistent = allocated_bytes(device)  # weights + optimizer state (+ small workspaces): gradients are freed
-    reset_peak_memory(device)
+    meter = StepMemory(device, lambda: materialized_grad_bytes(model))
+    active: list = []
+    remove = instrument(model, lambda: active[0] if active else None, hook_head=loss_name != FUSED_HEAD) \
+        if instrumented else (lambda: None)
     times = []
-    for _ in range(settings["measured_steps"]):
-        synchronize(device)
-        start = time.perf_counter()
-        train_step(model, ids, finish, settings["loss"])
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return grads, persistent, times
+    try:
+        for _ in range(settings["measured_steps"]):
+            synchronize(device)
+            active[:] = [meter]
+            start = time.perf_counter()
+            train_step(model, ids, finish, loss_name, meter)
+            synchronize(device)
+            times.append((time.perf_counter() - start) * 1e3)
+            active.clear()
+    finally:
+        remove()
+    return grads, persistent, times, meter
 
 
 def run_one(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device, settings: dict,
             compiled: bool = False) -> dict:
     """One row; a missing package, an OOM or another failure is a result (the remaining runs still run)."""
-    row = {"model": name, "method": method.name, "loss": settings["loss"], "batch": 1, "seq": seq, "tokens": seq,
+    expected_loss = FUSED_HEAD if method.fused_head and settings.get("forge_head") and not compiled \
+        else settings["loss"]  # what an OOM or error row would have used (every model here takes the fused head)
+    row = {"model": name, "method": method.name, "loss": expected_loss, "batch": 1, "seq": seq, "tokens": seq,
            "checkpointing": checkpointing, "compiled": compiled, "status": "ok"}
     if method.needs and importlib.util.find_spec(method.needs) is None:
         return {**row, "status": "not installed"}
@@ -341,9 +591,11 @@ def run_one(name: str, method: Method, seq: int, checkpointing: bool, device: to
             return {**row, "status": "OOM", "allocated_at_oom_gib": gib(allocated_bytes(device)),
                     "oom_message": str(err)[:500]}
         return {**row, "status": f"error: {type(err).__name__}: {str(err)[:300]}"}
-    return {**row, "params": m["params"], "step_ms": m["step_ms"], "step_ms_all": m["step_ms_all"],
-            "tokens_per_s": seq / m["step_ms"] * 1e3,
-            **{f"{k}_gib": gib(m[k]) for k in ("peak", "weights", "optimizer_state", "gradients", "rest", "leftover")}}
+    pools = ("peak", "weights", "optimizer_state", "gradients", "logits", "activations", "rest", "leftover")
+    return {**row, "loss": m["loss"], "params": m["params"], "step_ms": m["step_ms"], "step_ms_all": m["step_ms_all"],
+            "tokens_per_s": seq / m["step_ms"] * 1e3, **{f"{k}_gib": gib(m[k]) for k in pools},
+            "peak_phase": m["peak_phase"],
+            "at_peak_gib": None if m["at_peak"] is None else {k: gib(v) for k, v in m["at_peak"].items()}}
 
 
 def is_oom(err: BaseException) -> bool:
@@ -376,14 +628,40 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
 # ---------------------------------------------------------------------------
 
 
+# the pools at the peak, in the table's and the plot's order: (key of at_peak_gib, table header, plot legend)
+PEAK_POOLS = (("weights", "weights", "weights"), ("optimizer_state", "opt state", "optimizer state"),
+              ("gradients", "grads", "gradients"), ("logits", "logits", "logits and their gradient"),
+              ("activations", "activations", "activations saved by the decoder"),
+              ("workspace", "workspace", "workspace (the rest)"))
+
+
+def peak_pools(row: dict) -> dict:
+    """A row's memory pools at its peak, GiB, adding up to the peak: `at_peak_gib` where the row has it; older
+    records (before the loss and activation pools) as they measured it: weights, optimizer state, gradients at
+    the end of backward, and the rest as workspace."""
+    at_peak = row.get("at_peak_gib")
+    if at_peak is not None:
+        pools = {key: at_peak.get(key) for key, _, _ in PEAK_POOLS}
+        pools["workspace"] = (pools["workspace"] or 0) + (at_peak.get("leftover") or 0)
+        return pools
+    return {"weights": row.get("weights_gib"), "optimizer_state": row.get("optimizer_state_gib"),
+            "gradients": row.get("gradients_gib"), "logits": None, "activations": None,
+            "workspace": row.get("rest_gib")}
+
+
 def table(rows: list[dict]) -> str:
-    headers = ["model", "tokens", "ckpt", "compiled", "method", "loss", "status", "peak GiB", "step ms", "tokens/s",
-               "weights GiB", "opt state GiB", "grads GiB", "rest GiB"]
-    body = [[r["model"], f"1×{r['seq']}", "on" if r["checkpointing"] else "off",
-             "yes" if r.get("compiled") else "no", r["method"],
-             r.get("loss", "transformers"),  # records from before v3 have no --loss
-             r["status"], r.get("peak_gib"), r.get("step_ms"), r.get("tokens_per_s"), r.get("weights_gib"),
-             r.get("optimizer_state_gib"), r.get("gradients_gib"), r.get("rest_gib")] for r in rows]
+    """One line a row: the peak, where in the step it is, its pools (adding up to it), and the sizes of the
+    loss's own memory and the saved activations whether or not they are resident at the peak."""
+    headers = ["model", "tokens", "ckpt", "compiled", "method", "loss", "status", "peak GiB", "peak in", "step ms",
+               "tokens/s", *(f"{header} GiB" for _, header, _ in PEAK_POOLS), "loss own GiB", "saved act GiB"]
+    body = []
+    for r in rows:
+        pools = peak_pools(r)
+        body.append([r["model"], f"1×{r['seq']}", "on" if r["checkpointing"] else "off",
+                     "yes" if r.get("compiled") else "no", r["method"],
+                     r.get("loss", "transformers"),  # records from before v3 have no --loss
+                     r["status"], r.get("peak_gib"), r.get("peak_phase"), r.get("step_ms"), r.get("tokens_per_s"),
+                     *(pools[key] for key, _, _ in PEAK_POOLS), r.get("logits_gib"), r.get("activations_gib")])
     return format_table(headers, body)
 
 
@@ -393,32 +671,32 @@ def plot(plt, results: Results):
     rows = results.rows
     fig, (mem, time_ax) = plt.subplots(1, 2, figsize=(13, 1.5 + 0.22 * len(rows)), sharey=True,
                                        width_ratios=(3, 2), layout="constrained")
-    pools = (("weights_gib", "weights"), ("optimizer_state_gib", "optimizer state"),
-             ("gradients_gib", "gradients at the end of backward"), ("rest_gib", "activations, workspace"))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for y, r in enumerate(rows):
         if r["status"] != "ok":
             mem.text(0, y, f" {r['status']}", va="center", fontsize=7, color="tab:red")
             continue
         left = 0.0
-        for (key, _), color in zip(pools, colors):
-            if r[key] is not None:
-                mem.barh(y, r[key], left=left, color=color, height=0.7)
-                left += r[key]
+        pools = peak_pools(r)
+        for (key, _, _), color in zip(PEAK_POOLS, colors):
+            if pools[key] is not None:
+                mem.barh(y, pools[key], left=left, color=color, height=0.7)
+                left += pools[key]
         time_ax.barh(y, r["step_ms"], color="gray", height=0.7)
     if all(r.get("peak_gib") is None for r in rows):
         mem.text(0.5, 0.5, "memory is measured on CUDA only", transform=mem.transAxes, ha="center")
-    labels = [f"{r['model']} 1×{r['seq']} ckpt {'on' if r['checkpointing'] else 'off'} · {r['method']}" for r in rows]
+    labels = [f"{r['model']} 1×{r['seq']} ckpt {'on' if r['checkpointing'] else 'off'} · {r['method']} · "
+              f"{r.get('loss', 'transformers')}" for r in rows]
     mem.set_yticks(range(len(rows)), labels, fontsize=7)
     mem.invert_yaxis()
-    mem.set_xlabel("peak memory (GiB)")
+    mem.set_xlabel("peak memory (GiB), by the pools resident at the peak")
     # under the panels: inside, the legend covers the bars of the last rows, which reach across the axes
-    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors[:4]], labels=[p[1] for p in pools],
-               fontsize=7, loc="outside lower center", ncol=4)
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors[:len(PEAK_POOLS)]],
+               labels=[p[2] for p in PEAK_POOLS], fontsize=7, loc="outside lower center", ncol=len(PEAK_POOLS))
     time_ax.set_xlabel("step time (ms)")
     for ax in (mem, time_ax):
         ax.grid(axis="x", alpha=0.3)
     loss = results.data["settings"].get("loss", "transformers")  # records from before v3 have no --loss
-    fig.suptitle(f"training step, bf16 weights, batch 1, {loss} loss — "
+    fig.suptitle(f"training step, bf16 weights, batch 1, {loss} loss (FORGE rows: the row's loss) — "
                  f"{results.data['device']}", fontsize=9)
     return fig
