@@ -1,7 +1,9 @@
 """The fused embedding (forge_dsl/fused_embedding.py): its backward's row blocks against torch's own embedding
 gradient, its steps through `ParamUpdateRows` against torch.optim (and tests/references.py's Lion) stepping a
 copy from torch's gradient, rows without tokens included, the dense fallback, the bounded workspace and every
-refusal. Tiles are forced small (`tile_rows`) so that several tiles and a ragged last one occur."""
+refusal. Tiles are forced small (`tile_rows`) so that several tiles and a ragged last one occur. The kernels'
+tensors are on DEVICE (CUDA where there is one, else the interpreter's CPU); torch's references run on the CPU,
+except where a test asks for torch's own bits, which it computes on the kernels' device."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import forge_dsl
 from forge_dsl import fused_embedding as fe
 from forge_dsl.row_updates import AutogradRows, ParamUpdateRows
 from forge_dsl.testing import weight_bound
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class RecordingRows:
@@ -75,12 +79,12 @@ def _torch_grad(ids, weight, dy, **options) -> torch.Tensor:
 def test_blocks_are_torch_gradient_tile_by_tile(dim, dtype, ids_dtype, ids_shape, padding_idx, scale):
     V, tile = 200, 64
     g = torch.Generator().manual_seed(dim + len(ids_shape))
-    weight = torch.randn(V, dim, generator=g).to(dtype).requires_grad_()
-    ids = torch.randint(0, V - 60, ids_shape, generator=g).to(ids_dtype)  # rows >= 140 never used
+    weight = torch.randn(V, dim, generator=g).to(DEVICE, dtype).requires_grad_()
+    ids = torch.randint(0, V - 60, ids_shape, generator=g).to(DEVICE, ids_dtype)  # rows >= 140 never used
     ids.view(-1)[::4] = 197  # one row of the ragged last tile, many times
     if padding_idx is not None:
         ids.view(-1)[1::5] = padding_idx % V
-    dy = torch.randn(*ids_shape, dim, generator=g).to(dtype)
+    dy = torch.randn(*ids_shape, dim, generator=g).to(DEVICE, dtype)
     sink = RecordingRows()
     out = fe.embedding(ids, weight, sink=sink, padding_idx=padding_idx, scale_grad_by_freq=scale, tile_rows=tile)
     assert torch.equal(out, F.embedding(ids, weight.detach()))
@@ -91,8 +95,9 @@ def test_blocks_are_torch_gradient_tile_by_tile(dim, dtype, ids_dtype, ids_shape
     assert [tuple(b.shape) for b in sink.blocks] == [(64, dim)] * 3 + [(8, dim)]
     assert all(b.dtype == torch.float32 for b in sink.blocks)
     # exact fp32 sums: against float64 sums of the same values, within fp32 rounding
-    ref = _torch_grad(ids.long(), weight.double(), dy.double(), padding_idx=padding_idx, scale_grad_by_freq=scale)
-    got = sink.dense().double()
+    ref = _torch_grad(ids.long().cpu(), weight.double().cpu(), dy.double().cpu(), padding_idx=padding_idx,
+                      scale_grad_by_freq=scale)
+    got = sink.dense().double().cpu()
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
     assert torch.equal(got[140:197], torch.zeros(57, dim, dtype=torch.float64))  # rows without tokens: zeros
     if padding_idx is not None:
@@ -108,11 +113,11 @@ def test_blocks_are_torch_gradient_tile_by_tile(dim, dtype, ids_dtype, ids_shape
 
 
 def test_tokenless_batch_hands_every_row_as_zeros():
-    weight = torch.randn(130, 64, requires_grad=True)
+    weight = torch.randn(130, 64, device=DEVICE, requires_grad=True)
     sink = RecordingRows()
-    fe.embedding(torch.zeros(0, 3, dtype=torch.long), weight, sink=sink, tile_rows=64).sum().backward()
+    fe.embedding(torch.zeros(0, 3, dtype=torch.long, device=DEVICE), weight, sink=sink, tile_rows=64).sum().backward()
     assert sink.calls == ["begin", 0, 64, 128, "finish"]
-    assert torch.equal(sink.dense(), torch.zeros(130, 64))
+    assert torch.equal(sink.dense().cpu(), torch.zeros(130, 64))
 
 
 # ----------------------------------------------------------------------------
@@ -146,28 +151,29 @@ def _step_ids(step: int, g: torch.Generator) -> torch.Tensor:
 def test_steps_match_torch_optim(spec, dtype, dim):
     hypers, twin = STEPPERS[spec]
     g = torch.Generator().manual_seed(11)
-    module = torch.nn.Embedding(V_STEP, dim, padding_idx=PADDING).to(dtype)
+    module = torch.nn.Embedding(V_STEP, dim, padding_idx=PADDING).to(DEVICE, dtype)
     with torch.no_grad():  # the padding row is created as zeros: make it one that weight decay moves
         module.weight.copy_(torch.randn(V_STEP, dim, generator=g))
     state = forge_dsl.init_state(spec, module.weight, layout="fp32", **hypers)
     sink = ParamUpdateRows(spec, module.weight, state, **hypers)
-    if dtype == torch.float32:  # torch's fp32 step on a copy, from torch's own gradient
-        ref = torch.nn.Parameter(module.weight.detach().clone())
+    if dtype == torch.float32:  # torch's fp32 step on a CPU copy, from torch's own gradient
+        ref = torch.nn.Parameter(module.weight.detach().cpu().clone())
     else:  # bf16: each step in float64 from FORGE's previous weight (its rounding is stochastic)
-        ref = torch.nn.Parameter(module.weight.detach().double())
+        ref = torch.nn.Parameter(module.weight.detach().cpu().double())
     opt = twin([ref], **hypers)
 
     for step in range(1, 4):
         ids = _step_ids(step, g)
         dy = torch.randn(4, 30, dim, generator=g).to(dtype)
-        before = module.weight.detach().clone()
-        fe.embedding(ids, module.weight, sink=sink, padding_idx=module.padding_idx, tile_rows=TILE_STEP).backward(dy)
+        before = module.weight.detach().cpu().clone()
+        fe.embedding(ids.to(DEVICE), module.weight, sink=sink, padding_idx=module.padding_idx,
+                     tile_rows=TILE_STEP).backward(dy.to(DEVICE))
         ref.grad = _torch_grad(ids, ref, dy.to(ref.dtype), padding_idx=PADDING)
         with torch.no_grad():
             if dtype == torch.bfloat16:
                 ref.copy_(before.double())
             opt.step()
-        got = module.weight.detach()
+        got = module.weight.detach().cpu()
         assert module.weight.grad is None and sink.steps == step
         assert not (ids.view(-1)[:, None] == torch.arange(NEVER.start, NEVER.stop)).any()
         if dtype == torch.float32:
@@ -191,10 +197,10 @@ def test_steps_match_torch_optim(spec, dtype, dim):
 @pytest.mark.parametrize("padding_idx, scale", [(None, False), (3, True)])
 def test_autograd_rows_returns_torch_gradient(dtype, padding_idx, scale):
     g = torch.Generator().manual_seed(3)
-    weight = torch.randn(90, 40, generator=g).to(dtype).requires_grad_()
-    ids = torch.randint(0, 90, (5, 13), generator=g).to(torch.int32 if scale else torch.int64)
+    weight = torch.randn(90, 40, generator=g).to(DEVICE, dtype).requires_grad_()
+    ids = torch.randint(0, 90, (5, 13), generator=g).to(DEVICE, torch.int32 if scale else torch.int64)
     ids[0] = 3
-    dy = torch.randn(5, 13, 40, generator=g).to(dtype)
+    dy = torch.randn(5, 13, 40, generator=g).to(DEVICE, dtype)
     fe.embedding(ids, weight, sink=AutogradRows(), padding_idx=padding_idx, scale_grad_by_freq=scale).backward(dy)
     expected = _torch_grad(ids, weight, dy, padding_idx=padding_idx, scale_grad_by_freq=scale)
     assert weight.grad.dtype == dtype and torch.equal(weight.grad, expected)
@@ -237,8 +243,8 @@ class _Shapes(TorchDispatchMode):
 
 
 def _backward_shapes(sink, V, D, tile_rows):
-    weight = torch.randn(V, D, requires_grad=True)
-    ids = torch.randint(0, V, (2, 50))  # T = 100 tokens
+    weight = torch.randn(V, D, device=DEVICE, requires_grad=True)
+    ids = torch.randint(0, V, (2, 50), device=DEVICE)  # T = 100 tokens
     out = fe.embedding(ids, weight, sink=sink, padding_idx=1, tile_rows=tile_rows)
     dy = torch.randn_like(out)
     with _Shapes() as mode:
@@ -314,9 +320,9 @@ def test_rows_grad_compiles_for_sm90():
 # ----------------------------------------------------------------------------
 
 def test_refusals_of_embedding():
-    weight = torch.randn(20, 8, requires_grad=True)
+    weight = torch.randn(20, 8, device=DEVICE, requires_grad=True)
     kept = weight.detach().clone()
-    ids = torch.tensor([[0, 1, 2]])
+    ids = torch.tensor([[0, 1, 2]], device=DEVICE)
     sink = RecordingRows()
     with pytest.raises(ValueError, match=r"max_norm=1\.0 cannot be fused: max_norm renormalizes the rows it reads"):
         fe.embedding(ids, weight, sink=sink, max_norm=1.0)

@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 
 V, D, B, S = 300, 64, 2, 12
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16)
 # |got − transformers| ≤ tol · max|transformers|: fp32 summation order; bf16: a logit's gradient may round to the
 # other bf16 neighbour where fp32 softmax differs in its last bit
@@ -216,10 +217,11 @@ def torch_adamw_step(w, grad, state, step, hypers):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_three_adamw_steps_in_backward_match_torch_adamw(dtype):
-    """The head's weight after each of 3 steps through ParamUpdateRows against torch.optim.AdamW (float64) from
-    transformers' gradient of the logits; d hidden from the old weights each step."""
+    """The head's weight after each of 3 steps through ParamUpdateRows against torch.optim.AdamW (float64, CPU) from
+    transformers' gradient of the logits (CPU); d hidden from the old weights each step. The kernels' tensors are on
+    DEVICE."""
     hypers = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    model = tiny_llama(seed=4).to(dtype)
+    model = tiny_llama(seed=4).to(DEVICE, dtype)
     weight = model.lm_head.weight
     spec = forge_dsl.load_spec("adamw")
     state = forge_dsl.init_state(spec, weight.data, layout="fp32")
@@ -228,24 +230,25 @@ def test_three_adamw_steps_in_backward_match_torch_adamw(dtype):
     for step in range(1, 4):
         hidden = torch.randn(B, S, D, generator=gen).to(dtype)
         labels = random_labels(gen)
-        _, ref_dh, _, ref_dlogits = hf_head_loss(weight, hidden, labels)
+        w_before = weight.detach().cpu().clone()
+        _, ref_dh, _, ref_dlogits = hf_head_loss(w_before, hidden, labels)
         x = hidden.reshape(B * S, D).double()
         g = ref_dlogits.reshape(B * S, V).double().T @ x
         before = as_float64_state(state, spec)
-        ref_w = torch_adamw_step(weight, g, before, step, hypers)
+        ref_w = torch_adamw_step(w_before, g, before, step, hypers)
         sink = RecordingSink(inner)
-        h = hidden.clone().requires_grad_()
-        causal_lm_loss(h, weight, labels, sink=sink, block_rows=128).backward()
+        h = hidden.to(DEVICE, copy=True).requires_grad_()
+        causal_lm_loss(h, weight, labels.to(DEVICE), sink=sink, block_rows=128).backward()
         assert weight.grad is None and inner.steps == step
-        assert_close(h.grad, ref_dh, dtype, f"step {step}: d hidden")
+        assert_close(h.grad.cpu(), ref_dh, dtype, f"step {step}: d hidden")
         # the kernel's dW is an fp32 sum of its own dY (which may differ from transformers' in a bf16 last bit)
-        dy = torch.cat([dy for _, dy, _ in sink.blocks], dim=1)
+        dy = torch.cat([dy for _, dy, _ in sink.blocks], dim=1).cpu()
         delta = dw_error_bound(dy, hidden.reshape(B * S, D)) + (dy.double() - ref_dlogits.reshape(B * S, V).double()
                                                                 ).abs().T @ x.abs()
-        spread = torch.maximum((torch_adamw_step(weight, g + delta, before, step, hypers) - ref_w).abs(),
-                               (torch_adamw_step(weight, g - delta, before, step, hypers) - ref_w).abs())
-        assert not torch.equal(ref_w, weight.detach().double()), "the reference must move the weights"
-        err = (weight.detach().double() - ref_w).abs()
+        spread = torch.maximum((torch_adamw_step(w_before, g + delta, before, step, hypers) - ref_w).abs(),
+                               (torch_adamw_step(w_before, g - delta, before, step, hypers) - ref_w).abs())
+        assert not torch.equal(ref_w, w_before.double()), "the reference must move the weights"
+        err = (weight.detach().cpu().double() - ref_w).abs()
         tol = weight_bound(ref_w, dtype) + spread
         assert (err <= tol).all(), f"step {step}: {(err > tol).sum().item()} weights beyond their bound"
 
