@@ -298,7 +298,8 @@ def test_load_and_update_match_torch_bit_for_bit(layout):
 # ---------------------------------------------------------------------------
 
 # The new state is the gradient (m) and its square (v), the weight moves by the decoded old states: every
-# value the kernel computes is one fp32 operation of loaded values, so it is reproducible in torch bit for bit.
+# value the kernel computes is one fp32 operation of loaded values, so torch reproduces it bit for bit (the
+# weight up to FMA contraction when compiled: see the tests' docstrings).
 _PROBE = """optimizer int4_probe "int4 state: what the kernel stores and reads"
 
 state m = 0
@@ -329,6 +330,19 @@ def _torch_probe_step(w, g, state):
     return w_new, {"m": qm, "m.scale": sm, "v": qv, "v.scale": sv}
 
 
+def _assert_weight_bits(w, want, what):
+    """w (the kernel's fp32 weight, any device) against `want` (fp32, CPU): the same bits in the interpreter; run
+    compiled, `want`'s value or one of its two fp32 neighbours, element by element."""
+    got = w.cpu()
+    if INTERPRET:
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), what
+        return
+    near = got == want
+    for to in (-math.inf, math.inf):
+        near |= got == torch.nextafter(want, torch.full_like(want, to))
+    assert near.all(), f"{what}: {(~near).sum().item()} weights more than 1 ulp from torch's"
+
+
 def _assert_state_bits(state, want):
     for k, t in want.items():
         a, b = state[k].cpu(), t
@@ -339,6 +353,10 @@ def _assert_state_bits(state, want):
 
 @pytest.mark.parametrize("shape", [(9, 200), (130,), (2, 3, 128)])
 def test_elementwise_step_with_int4_state_is_bit_exact(probe, shape):
+    """The stored int4 state is `quantize` of the new gradient and its square, bit for bit, and the weight moves by
+    the decoded old states. The weight is bit-exact in the interpreter; compiled, the kernel is built with fp
+    fusion, so the decode's multiply and the spec's add may contract into one FMA (one rounding instead of two):
+    there the weight is within 1 fp32 ulp of torch's, while the stored state's bits must still match exactly."""
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(shape, generator=gen).to(DEVICE)
     state = forge_dsl.init_state(probe, w, layout="int4")
@@ -347,15 +365,16 @@ def test_elementwise_step_with_int4_state_is_bit_exact(probe, shape):
         g = (torch.randn(shape, generator=gen) * (1 + step)).to(DEVICE)
         w_new, want = _torch_probe_step(w.cpu(), g.cpu(), {k: v.cpu() for k, v in state.items()})
         kernels.step(probe, w, g, state, step=step, rounding="nearest")
-        assert torch.equal(w.cpu().view(torch.int32), w_new.view(torch.int32)), f"step {step}"
         _assert_state_bits(state, want)
+        _assert_weight_bits(w, w_new, f"step {step}")
 
 
 @pytest.mark.parametrize("config", [None, "halves"])
 def test_fused_step_with_int4_state_is_bit_exact(probe, config):
     """The fused kernel (dW in its registers) stores the int4 state of its own dW: the stored bytes are
-    `quantize` of that dW (read back from m's twin, an fp32 copy of the same spec), the weight moves by the
-    decoded old states."""
+    `quantize` of that dW (read back from m's twin, an fp32 copy of the same spec), bit for bit, and the weight
+    moves by the decoded old states: bit-exact in the interpreter; compiled with fp fusion, where the decode's
+    multiply and the spec's add may contract into one FMA, within 1 fp32 ulp of torch's."""
     from forge_dsl.testing import HALVES_CONFIG
 
     cfg = HALVES_CONFIG if config == "halves" else None
@@ -371,8 +390,8 @@ def test_fused_step_with_int4_state_is_bit_exact(probe, config):
         kernels.fused_linear_step(probe, x, dy, w_fp32, twin, step=step, config=cfg)  # twin["m"]: the kernel's dW
         w_new, want = _torch_probe_step(w.cpu(), twin["m"].cpu(), {kk: vv.cpu() for kk, vv in state.items()})
         kernels.fused_linear_step(probe, x, dy, w, state, step=step, config=cfg)
-        assert torch.equal(w.cpu().view(torch.int32), w_new.view(torch.int32)), f"step {step}"
         _assert_state_bits(state, want)
+        _assert_weight_bits(w, w_new, f"step {step}")
         w_fp32.copy_(w)  # both start the next step from the same weights
 
 
