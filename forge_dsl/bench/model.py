@@ -75,7 +75,7 @@ import forge_dsl
 
 from ..consumed_grad import ConsumedGrad
 from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
-                     peak_memory_bytes, reset_peak_memory, synchronize)
+                     synchronize)
 from .lean_loss import causal_lm_loss_inplace
 
 LR = 1e-5
