@@ -161,8 +161,8 @@ def _head_sink(opt_ref, weight: torch.nn.Parameter):
     the plain path)."""
     opt = opt_ref()
     handle = opt._handles.get(weight) if opt is not None else None
-    if handle is None or torch.compiler.is_compiling():
-        return None
+    if handle is None or torch.compiler.is_compiling() or not (torch.is_grad_enabled() and weight.requires_grad):
+        return None  # without gradients (an evaluation loss) no backward comes: not a use of this step
     handle.note_forward()
     return handle
 

@@ -607,7 +607,9 @@ def test_convergence_smoke(tmp_path, capsys):
     data = run_bench(tmp_path, capsys, "convergence", "--steps", "4")
     rows = {r["name"]: r for r in data["rows"]}
     assert list(rows) == ["torch-adamw-fp32", "torch-adamw-fp32-again", "forge-fp32", "forge-bf16-sr",
-                          "forge-bf16-sr-int8", "forge-bf16-nearest"]
+                          "forge-bf16-sr-int8", "forge-bf16-sr-int4", "forge-bf16-sr-head", "forge-bf16-nearest"]
+    # the loss without logits is the same loss (transformers' shifted labels): its first step's loss is the reference's
+    assert rows["forge-bf16-sr-head"]["losses"][0] == pytest.approx(rows["torch-adamw-fp32"]["losses"][0], rel=1e-2)
     assert rows["torch-adamw-fp32"]["max_abs_delta"] == 0
     # the reference again: on the CPU the same run gives the same losses, so the floor is exactly 0 there
     assert rows["torch-adamw-fp32-again"]["losses"] == rows["torch-adamw-fp32"]["losses"]

@@ -53,6 +53,20 @@ def test_embedding_and_head_paths_train_like_torch(head_loss):
     assert ("loss without logits" in opt.describe()) == head_loss
 
 
+def test_an_evaluation_loss_without_gradients_leaves_the_next_step_fused():
+    """A no-grad forward with labels (an evaluation loop's loss) is no use of the head in this step: the next
+    training step's head update stays fused (its .grad the placeholder, not a dense dW)."""
+    model = make_llama()
+    opt = ForgeOptimizer(model, "adamw", lm_head_loss=True, **HYPERS)
+    ids = llama_batches(1)[0]
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert isinstance(model.lm_head.weight.grad, ConsumedGrad)
+    assert "lm_head.weight" in fused_names(opt)
+    opt.step()
+
+
 def test_head_loss_from_fuse_with_parameters_first_and_detach_restores_the_model():
     model = make_llama()
     assert forge_dsl.fuse(model, lm_head_loss=True) is model
