@@ -327,20 +327,21 @@ def _torch_probe_step(w, g, state):
     w_new = (w.float() + m) - v
     qm, sm = L.quantize(g.float(), StateLayout.INT4)
     qv, sv = L.quantize(g.float() * g.float(), StateLayout.UINT4)
-    return w_new, {"m": qm, "m.scale": sm, "v": qv, "v.scale": sv}
+    return w_new, {"m": qm, "m.scale": sm, "v": qv, "v.scale": sv}, w.float().abs() + m.abs() + v.abs()
 
 
-def _assert_weight_bits(w, want, what):
+def _assert_weight_bits(w, want, what, operands):
     """w (the kernel's fp32 weight, any device) against `want` (fp32, CPU): the same bits in the interpreter; run
-    compiled, `want`'s value or one of its two fp32 neighbours, element by element."""
+    compiled, within two fp32 roundings of the operands' size `operands` (|w| + |m| + |v|, the probe's sum):
+    fp fusion may contract a decode's multiply with the spec's add into one FMA, which rounds the partial sum
+    w + m at another place, and where w + m - v cancels that is many ulps of the result (measured on the H200:
+    up to 56 of 1800 elements beyond 1 ulp)."""
     got = w.cpu()
     if INTERPRET:
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), what
         return
-    near = got == want
-    for to in (-math.inf, math.inf):
-        near |= got == torch.nextafter(want, torch.full_like(want, to))
-    assert near.all(), f"{what}: {(~near).sum().item()} weights more than 1 ulp from torch's"
+    excess = (got.double() - want.double()).abs() - 2.0**-22 * operands.double()
+    assert (excess <= 0).all(), f"{what}: {(excess > 0).sum().item()} weights beyond two roundings of their operands"
 
 
 def _assert_state_bits(state, want):
@@ -363,10 +364,10 @@ def test_elementwise_step_with_int4_state_is_bit_exact(probe, shape):
     assert state["m"].shape == shape[:-1] + (shape[-1] // 2,) and state["v"].dtype == torch.uint8
     for step in (1, 2, 3):
         g = (torch.randn(shape, generator=gen) * (1 + step)).to(DEVICE)
-        w_new, want = _torch_probe_step(w.cpu(), g.cpu(), {k: v.cpu() for k, v in state.items()})
+        w_new, want, operands = _torch_probe_step(w.cpu(), g.cpu(), {k: v.cpu() for k, v in state.items()})
         kernels.step(probe, w, g, state, step=step, rounding="nearest")
         _assert_state_bits(state, want)
-        _assert_weight_bits(w, w_new, f"step {step}")
+        _assert_weight_bits(w, w_new, f"step {step}", operands)
 
 
 @pytest.mark.parametrize("config", [None, "halves"])
@@ -388,10 +389,11 @@ def test_fused_step_with_int4_state_is_bit_exact(probe, config):
         x = torch.randn(t, k, generator=gen).to(DEVICE)
         dy = (torch.randn(t, n, generator=gen) * 0.1).to(DEVICE)
         kernels.fused_linear_step(probe, x, dy, w_fp32, twin, step=step, config=cfg)  # twin["m"]: the kernel's dW
-        w_new, want = _torch_probe_step(w.cpu(), twin["m"].cpu(), {kk: vv.cpu() for kk, vv in state.items()})
+        w_new, want, operands = _torch_probe_step(w.cpu(), twin["m"].cpu(),
+                                                  {kk: vv.cpu() for kk, vv in state.items()})
         kernels.fused_linear_step(probe, x, dy, w, state, step=step, config=cfg)
         _assert_state_bits(state, want)
-        _assert_weight_bits(w, w_new, f"step {step}")
+        _assert_weight_bits(w, w_new, f"step {step}", operands)
         w_fp32.copy_(w)  # both start the next step from the same weights
 
 
