@@ -7,7 +7,7 @@
 
 Backward, where `sink.begin()` is True: the flattened ids are sorted once (stable; padding tokens sorted past
 every row), `OFFSETS` [V + 1] marks where each row's tokens start, and for each tile of rows [r0, r0 + R) one
-launch of `fused_embedding_kernel.rows_grad` writes its gradient block [R, D] in fp32 (each row the fp32 sum of
+launch of `kernels.embedding_kernels.rows_grad` writes its gradient block [R, D] in fp32 (each row the fp32 sum of
 its tokens' rows of ΔY, zeros where it has none), which goes to `sink.grad_rows(block, r0)`; every tile, in
 order, then `sink.finish()`. The whole gradient [V, D] never exists: one workspace of `tile_rows_for(D)` rows,
 at most `WORKSPACE_BYTES` (64 MiB; 4096 rows at D = 4096, so Llama-3.1-8B's 128256-row table is 32 tiles,
@@ -168,7 +168,7 @@ def hand_rows(ids: torch.Tensor, grad: torch.Tensor, num_rows: int, sink, *, pad
     """Hand `sink.grad_rows(block, r0)` the gradient of every tile of rows [r0, r0 + R) of a weight [num_rows, D]
     (R = `tile_rows`, the last tile ragged), block [R, D] fp32, from ids [...] and ΔY `grad` [..., D]; a
     checked `padding_idx` in [0, num_rows) or None. One workspace [min(tile_rows, num_rows), D] serves all tiles."""
-    from .fused_embedding_kernel import rows_grad  # triton is imported on first launch
+    from .kernels.embedding_kernels import rows_grad  # triton is imported on first launch
     from .kernels.launches import device_guard
 
     dim = grad.shape[-1]

@@ -282,7 +282,7 @@ import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from forge_dsl.fused_embedding import _BLOCK_T, _MAX_BLOCK_D
-from forge_dsl.fused_embedding_kernel import rows_grad
+from forge_dsl.kernels.embedding_kernels import rows_grad
 from forge_dsl.kernels.sm90 import _resources
 aligned = ("GRAD", "ORDER", "OFFSETS", "BLOCK", "D", "stride_grad", "stride_block")  # as the JIT specializes D = 4096
 attrs = {(rows_grad.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
