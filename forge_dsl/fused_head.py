@@ -34,14 +34,16 @@ from .row_updates import RowSink
 __all__ = ["LOGITS_BLOCK_BYTES", "SUPPORTED_MODEL_TYPES", "causal_lm_loss", "install", "vocab_block_rows"]
 
 
-LOGITS_BLOCK_BYTES = 256 * 2**20
-"""The most bytes of one vocabulary block's fp32 logits [tokens, rows] (rows a multiple of 128)."""
+LOGITS_BLOCK_BYTES = 128 * 2**20
+"""The most bytes of one vocabulary block's fp32 logits [tokens, rows] (rows a multiple of 128). The backward's
+block (its logits in bf16 and fp32, its dY) sits beside the checkpoint inputs and can set the step's peak
+(docs/PERF.md, v19 and v20: the block's size against the peak of Llama-3.1-8B's step)."""
 
 
 def vocab_block_rows(tokens: int, vocab: int, budget_bytes: int = LOGITS_BLOCK_BYTES) -> int:
     """The rows of one vocabulary block for `tokens` tokens: the most multiple of 128 whose fp32 logits
     [tokens, rows] fit in `budget_bytes` (128 at least), and the whole vocabulary where that is fewer rows.
-    At 2048 tokens 32768 rows (4 blocks of a 128k vocabulary); at 8192, 8192 rows (16 blocks)."""
+    At 2048 tokens 16384 rows (8 blocks of a 128k vocabulary); at 8192, 4096 rows (32 blocks)."""
     rows = budget_bytes // (4 * max(tokens, 1)) // 128 * 128
     return max(1, min(vocab, max(128, rows)))
 

@@ -363,8 +363,8 @@ def test_compiled_loss_is_the_plain_path():
 
 
 def test_vocab_block_rows():
-    assert fused_head.vocab_block_rows(2048, 128256) == 32768
-    assert fused_head.vocab_block_rows(8192, 128256) == 8192
+    assert fused_head.vocab_block_rows(2048, 128256) == 16384
+    assert fused_head.vocab_block_rows(8192, 128256) == 4096
     assert fused_head.vocab_block_rows(24, 300) == 300  # the whole vocabulary: one block
     assert fused_head.vocab_block_rows(10**7, 128256) == 128  # never fewer than 128 rows
     for tokens in (1, 100, 2048, 5000, 70000):
