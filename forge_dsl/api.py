@@ -133,7 +133,8 @@ def init_state(
             runs on); "fp32", "bf16", "int8" or "int4" sets all states (for the
             kernels); a dict sets them per state name (missing names: "fp32").
             "int8" and "int4" quantize blocks of 64 elements along the last dim
-            with one fp32 scale each, stored under "<name>.scale"; states declared
+            with one bf16 scale each (`layouts.SCALE_DTYPE`; the block maximum rounded
+            up), stored under "<name>.scale"; states declared
             `nonneg` use the unsigned maps; a state whose last dim is below 64
             stays fp32. "int4" stores two codes a byte, `[..., cols / 2]` (int8;
             uint8 for nonneg states), and keeps a state of an odd last dim fp32

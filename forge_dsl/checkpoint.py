@@ -38,8 +38,8 @@ import torch
 from . import ir
 from .api import state_layout
 from .config import check_seed, resolve_hypers
-from .layouts import (FOUR_BIT_LAYOUTS, StateLayout, is_quantized, layout_of, n_blocks, resolve_layout, rows_cols,
-                      storage_dtype, storage_shape)
+from .layouts import (FOUR_BIT_LAYOUTS, SCALE_DTYPES, StateLayout, is_quantized, layout_of, n_blocks, resolve_layout,
+                      rows_cols, storage_dtype, storage_shape)
 from .printer import print_spec
 from .reference import initial_values
 
@@ -58,6 +58,9 @@ _LAYOUT_WORDS = {
     StateLayout.INT4: "int4",
     StateLayout.UINT4: "uint4 (no-zero map)",
 }
+
+
+_SCALE_WORDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def spec_digest(spec: ir.Spec) -> str:
@@ -262,9 +265,9 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
                 raise ValueError(f"state_dict's {_BITS[layout]} '{s.name}' of {label} has no '{scale_name}' (its block "
                                  "scales): the codes cannot be read without them")
             scale = _tensor(values[scale_name], f"'{scale_name}' of {label}")
-            if scale.dtype != torch.float32 or tuple(scale.shape) != (rows, n_blocks(cols)):
+            if scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != (rows, n_blocks(cols)):
                 raise ValueError(f"state_dict's '{scale_name}' of {label} is {scale.dtype} of shape "
-                                 f"{tuple(scale.shape)}; {_BITS[layout]} '{s.name}' needs float32 of shape "
+                                 f"{tuple(scale.shape)}; {_BITS[layout]} '{s.name}' needs float32 or bfloat16 of shape "
                                  f"({rows}, {n_blocks(cols)}) (one scale per 64 elements of a row)")
             out[scale_name] = scale.to(p.device, copy=True)
             expected.add(scale_name)
@@ -308,7 +311,7 @@ _CODE_WORDS = {
 def _storage_words(layout: StateLayout, scale_name: str, rows: int, cols: int) -> str:
     if is_quantized(layout):
         codes = _CODE_WORDS[layout]
-        return f"{codes} with a float32 '{scale_name}' of shape ({rows}, {n_blocks(cols)})"
+        return f"{codes} with a float32 or bfloat16 '{scale_name}' of shape ({rows}, {n_blocks(cols)})"
     return str(storage_dtype(layout))
 
 
@@ -334,17 +337,21 @@ def _number(value: Any, what: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def held_layouts(spec: ir.Spec, states: Iterable[Mapping[str, Any]]) -> Optional[str]:
-    """The layouts that `states` (one dict per parameter) hold, for `ForgeOptimizer.describe`: "int8" when
-    every state of every parameter has one layout, else per state with counts ("exp_avg int8 ×3, fp32 ×2;
-    ..."); None when no parameter has state yet."""
+    """The layouts that `states` (one dict per parameter) hold, for `ForgeOptimizer.describe`: "int8 (bf16
+    scales)" when every state of every parameter has one layout (quantized ones name their block scales' dtype:
+    fp32 in checkpoints from before bf16 scales), else per state with counts ("exp_avg int8 (bf16 scales) ×3,
+    fp32 ×2; exp_avg_sq uint8 (sqrt map, bf16 scales) ×3, ..."); None when no parameter has state yet."""
     counts: dict[str, dict[str, int]] = {s.name: {} for s in spec.states}
     for state in states:
         for s in spec.states:
             t = state.get(s.name)
             if isinstance(t, torch.Tensor):
                 scale = state.get(f"{s.name}.scale")
-                word = _LAYOUT_WORDS.get(layout_of(t, scale=scale if isinstance(scale, torch.Tensor) else None),
-                                         str(t.dtype))
+                scale = scale if isinstance(scale, torch.Tensor) else None
+                word = _LAYOUT_WORDS.get(layout_of(t, scale=scale), str(t.dtype))
+                if scale is not None and scale.dtype in _SCALE_WORDS:  # "int8 (bf16 scales)", "uint4 (..., bf16 ...)"
+                    scales = f"{_SCALE_WORDS[scale.dtype]} scales"
+                    word = f"{word[:-1]}, {scales})" if word.endswith(")") else f"{word} ({scales})"
                 counts[s.name][word] = counts[s.name].get(word, 0) + 1
     counts = {name: c for name, c in counts.items() if c}
     if not counts:

@@ -8,9 +8,22 @@ for bit.
 
 Every tensor is seen as a row-major 2-D matrix `[rows, cols]` whose columns are
 its last dimension (`as_rows`). The quantized layouts (8-bit and 4-bit) quantize
-blocks of `BLOCK` = 64 consecutive elements along a row, with one fp32 scale per
-block, stored as a `[rows, n_blocks(cols)]` fp32 tensor; the last block of a row
+blocks of `BLOCK` = 64 consecutive elements along a row, with one scale per
+block, stored as a `[rows, n_blocks(cols)]` tensor; the last block of a row
 may be ragged (cols not a multiple of 64) and only its real elements set its scale.
+
+Block scales are bfloat16 for new state (`SCALE_DTYPE`) or float32 (state written before bf16
+scales: every such checkpoint keeps working, bit for bit); the scale tensor's dtype says which,
+and a state keeps its scales' dtype as it is updated. Below, `scale` is the block maximum M
+(taken on the bit patterns) for fp32 scales; for bf16 scales it is M ROUNDED UP to a bf16, on
+the bits (`bf16_round_up_bits`): the high 16 bits of M, + 1 where its low 16 bits are nonzero;
+NaN stays the one NaN 0x7FC0, +inf stays +inf, and a finite M above the largest finite bf16
+(2 - 2**-7) * 2**127 saturates to it (never to inf, which would poison the block): then |x| / scale
+< 1.0040 and the codes stay in range (INT8 |y| < 127.5; the UINT8_SQRT and INT4 counts are at
+most 255 and 15 by construction; UINT4 u < 16.07 rounds to at most 16; INT8 and UINT4 clamp the
+code as well). Every formula then uses that stored scale, so the decoded values follow the scale
+exactly as stored. In fp32, M <= scale < M * (1 + 2**-7) (unsaturated): the scale is M rounded up
+to 8 significant bits. Subnormal maxima round up like any other (a nonzero M never gives a zero scale).
 
 Storage (`storage_dtype`, `storage_shape`, and `layout_of`, which tells a state tensor's layout from
 its dtype and shape): FP32 / BF16 / INT8 / UINT8_SQRT hold one element per entry, shaped like the
@@ -82,7 +95,7 @@ The block maximum is taken on the fp32 bit patterns as int32 (`bits & 0x7FFFFFFF
 which orders like the float values for non-NaN values and puts NaN above +inf:
 both sides reduce integers, so the result is the same whatever the reduction
 order, and a NaN in a block always becomes that block's scale, stored as the
-one pattern 0x7FC00000. A block whose
+one pattern 0x7FC00000 (bf16 scales: 0x7FC0). A block whose
 scale is NaN or inf stores q = 0 and reads back as NaN (0 * inf = NaN): a
 non-finite state poisons its block, deterministically, on every backend (the
 NaN *payloads* of decoded values are not pinned: GPU arithmetic returns
@@ -90,7 +103,9 @@ NaN *payloads* of decoded values are not pinned: GPU arithmetic returns
 scale as that NaN too (UINT4 has no zero code to turn inf into NaN), so they poison
 their blocks the same way.
 
-Error bounds (apart from a few fp32 ulps of scale):
+Error bounds (apart from a few fp32 ulps of scale; `scale` the STORED scale, so with bf16 scales each
+bound, relative to the block maximum M, is larger by the rounding-up factor scale / M < 1 + 2**-7, and a
+saturated block (M above the largest finite bf16) also errs by up to M - scale < 0.004 M at its maximum):
     INT8:       |x - x'| <= scale / 254 (half a step)
     UINT8_SQRT: |x - x'| <= half the gap between the two codes bracketing x,
                 plus scale / (4 * 255**2); rounding happens in the sqrt domain, so a
@@ -139,6 +154,10 @@ __all__ = [
     "dequantize",
     "bf16_round_nearest_bits",
     "bf16_from_bits",
+    "SCALE_DTYPE",
+    "SCALE_DTYPES",
+    "check_scale_dtype",
+    "bf16_round_up_bits",
 ]
 
 BLOCK = 64  # int8 quantization block: 64 consecutive elements along a row (last dim)
@@ -164,6 +183,12 @@ INT4_THRESHOLDS = ((INT4_MAP[:-1].double() + INT4_MAP[1:].double()) / 2).to(torc
 INT4_ZERO = 7  # the INT4 code of 0
 
 LAYOUT_NAMES = ("fp32", "bf16", "int8", "int4")
+
+# The storage dtype of the block scales of new quantized state (`quantize`, `api.init_state`); a scale tensor's
+# own dtype, one of SCALE_DTYPES, tells how it is read (float32: every checkpoint before bf16 scales).
+SCALE_DTYPE = torch.bfloat16
+SCALE_DTYPES = (torch.float32, torch.bfloat16)
+BF16_MAX_BITS = 0x7F7F  # the largest finite bf16, (2 - 2**-7) * 2**127
 
 
 class StateLayout(enum.IntEnum):
@@ -326,6 +351,22 @@ def bf16_from_bits(bits: Tensor) -> Tensor:
     return w.view(torch.float32)
 
 
+def check_scale_dtype(dtype, what: str = "scale_dtype") -> torch.dtype:
+    """`dtype` if it is a block scales' storage dtype (float32 or bfloat16), else a TypeError naming `what`."""
+    if dtype not in SCALE_DTYPES:
+        raise TypeError(f"{what} must be torch.float32 or torch.bfloat16 (block scales), got {dtype}")
+    return dtype
+
+
+def bf16_round_up_bits(amax: Tensor) -> Tensor:
+    """Block maxima (fp32, >= +0 or the NaN 0x7FC00000) → bf16 scales as int32 bit patterns [0, 0x7FC0], rounded
+    UP: the high 16 bits, + 1 where the low 16 are nonzero; NaN stays 0x7FC0, +inf 0x7F80, and a finite maximum
+    above the largest finite bf16 saturates to it (0x7F7F), never to inf."""
+    bits = amax.contiguous().view(torch.int32)
+    up = (bits >> 16) + ((bits & 0xFFFF) != 0).to(torch.int32)
+    return torch.where(bits < 0x7F800000, up.clamp_max(BF16_MAX_BITS), up)
+
+
 def _padded_blocks(x2: Tensor) -> Tuple[Tensor, int]:
     """[rows, cols] fp32 → [rows, nb, 64] with zero padding past cols."""
     rows, cols = x2.shape
@@ -376,17 +417,20 @@ def _unpack_pairs(b: Tensor) -> Tensor:
     return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], 2 * b.shape[1])
 
 
-def quantize(x: Tensor, layout) -> Tuple[Tensor, Optional[Tensor]]:
+def quantize(x: Tensor, layout, scale_dtype: torch.dtype = SCALE_DTYPE) -> Tuple[Tensor, Optional[Tensor]]:
     """Encode `x` (any float dtype and shape) in `layout`.
 
     Returns `(storage, scale)`: `storage` of `storage_shape(layout, x.shape)` (x's shape; its last
     dim halved for the 4-bit layouts) in `storage_dtype(layout)`; `scale` a `[rows, n_blocks(cols)]`
-    fp32 tensor for the quantized layouts, else None.
+    tensor of `scale_dtype` (bfloat16, the default `SCALE_DTYPE`, or float32) for the quantized layouts,
+    else None.
 
     Raises:
         ValueError: a 4-bit layout for an `x` whose last dim is odd (`resolve_layout` never picks one).
+        TypeError: a `scale_dtype` other than float32 and bfloat16.
     """
     layout = StateLayout(layout)
+    check_scale_dtype(scale_dtype)
     x = x.detach().to(torch.float32)
     if layout == StateLayout.FP32:
         return x.clone(), None
@@ -405,6 +449,8 @@ def quantize(x: Tensor, layout) -> Tuple[Tensor, Optional[Tensor]]:
     scale = _block_absmax(x3)  # [rows, nb]
     if four:  # an inf block's scale is the NaN pattern too
         scale = torch.where(torch.isinf(scale), torch.full_like(scale, math.nan), scale)
+    if scale_dtype == torch.bfloat16:  # rounded up, so the codes below are computed against the stored scale
+        scale = (bf16_round_up_bits(scale) << 16).view(torch.float32)
     ok = _valid_scale(scale)
     s3 = scale[..., None]
     ok3 = ok[..., None]
@@ -415,29 +461,36 @@ def quantize(x: Tensor, layout) -> Tuple[Tensor, Optional[Tensor]]:
     inv = torch.where(ok3, inv, torch.zeros_like(inv))
     y = torch.where(ok3, x3, torch.zeros_like(x3)) * inv
     if layout == StateLayout.INT8:
-        q = _round_half_up(y).to(torch.int8)
+        q = _round_half_up(y).clamp(-127.0, 127.0).to(torch.int8)
     elif layout == StateLayout.UINT8_SQRT:
         thresholds = _SQRT_THRESHOLDS.to(y.device)
         q = torch.searchsorted(thresholds, y.contiguous(), right=True).to(torch.uint8)  # thresholds <= y
     elif layout == StateLayout.INT4:
         q = torch.searchsorted(INT4_THRESHOLDS.to(y.device), y.contiguous(), right=True)  # invalid blocks: y = 0 → 7
     else:
-        q = (_round_half_up(y) - 1.0).clamp_min(0.0).to(torch.int64)  # u <= 16 (1 + 2**-23)**2: q <= 15
+        q = (_round_half_up(y) - 1.0).clamp(0.0, 15.0).to(torch.int64)
     q = q.reshape(rows, nb * BLOCK)[:, :cols]
     if four:
         packed = _pack_pairs(q)
         if layout == StateLayout.INT4:
             packed = packed.view(torch.int8)
-        return packed.reshape(storage_shape(layout, x.shape)).contiguous(), scale.contiguous()
-    return q.reshape(x.shape).contiguous(), scale.contiguous()
+        return packed.reshape(storage_shape(layout, x.shape)).contiguous(), _stored_scale(scale, scale_dtype)
+    return q.reshape(x.shape).contiguous(), _stored_scale(scale, scale_dtype)
+
+
+def _stored_scale(scale: Tensor, scale_dtype: torch.dtype) -> Tensor:
+    """fp32 scales (bf16 values already, for bfloat16) → their storage (the high 16 bits: exact)."""
+    if scale_dtype == torch.bfloat16:
+        return (scale.contiguous().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    return scale.contiguous()
 
 
 _INV_NUMERATOR = {StateLayout.INT8: 127.0, StateLayout.UINT8_SQRT: 1.0, StateLayout.INT4: 1.0, StateLayout.UINT4: 16.0}
 
 
 def dequantize(storage: Tensor, scale: Optional[Tensor], layout) -> Tensor:
-    """Decode `storage` (and its block `scale`) from `layout` → fp32 tensor shaped like the parameter:
-    like `storage`, its last dim doubled for the 4-bit layouts."""
+    """Decode `storage` (and its block `scale`, float32 or bfloat16) from `layout` → fp32 tensor shaped like
+    the parameter: like `storage`, its last dim doubled for the 4-bit layouts."""
     layout = StateLayout(layout)
     if layout == StateLayout.FP32:
         return storage.to(torch.float32)
@@ -459,7 +512,8 @@ def dequantize(storage: Tensor, scale: Optional[Tensor], layout) -> Tensor:
     nb = n_blocks(cols)
     if tuple(scale.shape) != (rows, nb):
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match storage: expected {(rows, nb)}")
-    scale = scale.to(torch.float32)
+    check_scale_dtype(scale.dtype, f"{layout.name} block scale dtype")
+    scale = bf16_from_bits(scale.contiguous().view(torch.int16)) if scale.dtype == torch.bfloat16 else scale
     qf = q2.to(torch.float32)
     if layout == StateLayout.INT8:
         step = scale / torch.full_like(scale, 127.0)

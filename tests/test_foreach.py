@@ -107,6 +107,15 @@ def test_parameters_that_cannot_share_a_launch_are_refused():
     with pytest.raises(ValueError, match=r"params\[1\] cannot share a launch.*same device, dtypes"):
         foreach_step("adamw", q, [torch.randn_like(t) for t in q], [init_state("adamw", t) for t in q],
                      step=1, lr=1e-2)
+    # int8 state with bf16 block scales (new) and with float32 ones (an old checkpoint's): flattened together, the
+    # scales would be concatenated across formats; they need launches of their own
+    b = [torch.randn(64, device=DEVICE), torch.randn(128, device=DEVICE)]
+    sb = [init_state("adamw", t, layout="int8") for t in b]
+    sb[1] = {k: (v.float() if k.endswith(".scale") else v) for k, v in sb[1].items()}
+    gb = [torch.randn_like(t) for t in b]
+    assert shared_launch_key("adamw", b[0], gb[0], sb[0]) != shared_launch_key("adamw", b[1], gb[1], sb[1])
+    with pytest.raises(ValueError, match=r"params\[1\] cannot share a launch.*same device, dtypes, state layouts"):
+        foreach_step("adamw", b, gb, sb, step=1, lr=1e-2)
     with pytest.raises(ValueError, match="one grad and one state per param"):
         foreach_step("adamw", q, q[:1], [init_state("adamw", t) for t in q], step=1, lr=1e-2)
 

@@ -49,16 +49,26 @@ def _points(layout) -> torch.Tensor:
     return torch.arange(1, 17, dtype=torch.float64) / 16
 
 
-def _nearest_decode(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Independent reference: per 64-block scale = max |x| (max x, negatives as 0, for UINT4), each element
-    decoded as fp32(scale * nearest map point) found in float64. Returns (decoded fp32, distance of t to the
-    nearest midpoint) so callers can skip near-ties, where fp32 y = x * (1 / scale) may round across."""
+def _bf16_up(m: torch.Tensor) -> torch.Tensor:
+    """float64 m > 0 (normal) → the smallest bf16 >= m (8 significant bits), in float64."""
+    step = torch.exp2(torch.floor(torch.log2(m)) - 7)
+    return torch.ceil(m / step) * step
+
+
+def _nearest_decode(x: torch.Tensor, layout, scale_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent reference: per 64-block scale = max |x| (max x, negatives as 0, for UINT4; bf16 scales: that
+    rounded up to a bf16), each element decoded as fp32(scale * nearest map point) found in float64. Returns
+    (decoded fp32, distance of t to the nearest midpoint) so callers can skip near-ties, where fp32
+    y = x * (1 / scale) may round across."""
     x2 = L.as_rows(x.float())
     rows, cols = x2.shape
     v = x2.double() if layout == StateLayout.INT4 else x2.double().clamp_min(0)
     nb = L.n_blocks(cols)
     padded = torch.nn.functional.pad(v.abs(), (0, nb * 64 - cols)).reshape(rows, nb, 64)
-    s = padded.amax(-1).repeat_interleave(64, dim=1)[:, :cols]
+    s = padded.amax(-1)
+    if scale_dtype == torch.bfloat16:
+        s = _bf16_up(s)
+    s = s.repeat_interleave(64, dim=1)[:, :cols]
     t = v / s
     p = _points(layout)
     idx = (t[..., None] - p).abs().argmin(-1)
@@ -91,30 +101,34 @@ def test_int4_map_is_torchaos_and_its_thresholds_are_midpoints():
     assert ((L.INT4_THRESHOLDS.double() - mids).abs() <= mids.abs() * 2.0**-24).all()
 
 
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", FOUR, ids=lambda l: l.name)
 @pytest.mark.parametrize("shape", [(5, 200), (3, 64), (2, 3, 130), (256,)])
-def test_round_trip_is_the_nearest_map_value(layout, shape):
+def test_round_trip_is_the_nearest_map_value(layout, shape, scale_dtype):
     """Every element decodes to fp32(scale × the map value nearest to x / scale), found independently in
     float64 (elements within 1e-6 of a half-way point, where fp32 rounding of x / scale decides, skipped), and
-    stays within the layout's documented bound; ragged last blocks (200, 130 columns) included."""
+    stays within the layout's documented bound; ragged last blocks (200, 130 columns) included. bf16 scales:
+    the scale is the block maximum rounded up to a bf16, and the bound grows by that factor (< 1 + 2**-7)."""
     gen = torch.Generator().manual_seed(sum(shape))
     rows, cols = L.rows_cols(shape)
     x = (_signed if layout == StateLayout.INT4 else _nonneg)(rows, cols, gen).reshape(shape)
     if layout == StateLayout.UINT4:
         x.reshape(-1)[::7] = 0.0  # true zeros: decoded as scale / 16, never 0
-    q, scale = L.quantize(x, layout)
+    q, scale = L.quantize(x, layout, scale_dtype=scale_dtype)
     assert q.dtype == (torch.int8 if layout == StateLayout.INT4 else torch.uint8)
     assert tuple(q.shape) == shape[:-1] + (shape[-1] // 2,)
-    assert tuple(scale.shape) == (rows, L.n_blocks(cols))
+    assert tuple(scale.shape) == (rows, L.n_blocks(cols)) and scale.dtype == scale_dtype
     assert L.layout_of(q, shape) == layout and L.layout_of(q, scale=scale) == layout
     d = L.dequantize(q, scale, layout)
     assert d.shape == x.shape
-    want, tie = _nearest_decode(x, layout)
+    want, tie = _nearest_decode(x, layout, scale_dtype)
     far = tie.reshape(shape) > 1e-6
     assert torch.equal(d[far], want.reshape(shape)[far])
     err = (d.double() - x.double()).abs()
     blockmax = torch.nn.functional.pad(L.as_rows(x).abs(), (0, L.n_blocks(cols) * 64 - cols)).reshape(
         rows, -1, 64).amax(-1).repeat_interleave(64, 1)[:, :cols].reshape(shape).double()
+    if scale_dtype == torch.bfloat16:
+        blockmax = blockmax * (1 + 2.0**-7)
     if layout == StateLayout.INT4:
         assert (err <= 0.1125 * blockmax * (1 + 1e-6)).all()
     else:
@@ -137,8 +151,9 @@ def test_nibble_order_and_storage():
     assert q[0, 0] == 15 | (7 << 4) and (q[0, 1:] == 0).all()  # 0.5 = 8/16: code 7; zeros: code 0 (1/16)
 
 
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", FOUR, ids=lambda l: l.name)
-def test_special_blocks(layout):
+def test_special_blocks(layout, scale_dtype):
     """NaN or inf in a block: its scale is NaN and the whole block reads NaN; an all-zero block reads 0; a scale
     whose reciprocal overflows stores the zero code (INT4: 0; UINT4: scale / 16); UINT4 stores negatives as 0."""
     x = torch.rand(4, 256) + 0.5
@@ -148,8 +163,10 @@ def test_special_blocks(layout):
     x[3, 192:256] = 1e-39 if layout == StateLayout.INT4 else 1e-38
     if layout == StateLayout.UINT4:
         x[3, 0] = -5.0
-    q, s = L.quantize(x, layout)
+    q, s = L.quantize(x, layout, scale_dtype=scale_dtype)
+    assert s.dtype == scale_dtype
     d = L.dequantize(q, s, layout)
+    s = s.float()  # exact, NaN 0x7FC0 → 0x7FC00000
     assert torch.isnan(s[0, 0]) and torch.isnan(s[1, 1]) and s[0, 0].view(torch.int32) == 0x7FC00000
     assert torch.isnan(d[0, :64]).all() and torch.isnan(d[1, 64:128]).all()
     assert torch.isfinite(d[0, 64:]).all() and torch.isfinite(d[1, :64]).all()
@@ -160,6 +177,38 @@ def test_special_blocks(layout):
     else:
         assert (tiny == s[3, 3] * 0.0625).all() and (tiny > 0).all()
         assert d[3, 0] == s[3, 0] * 0.0625  # -5 stored as 0, read as the smallest value
+
+
+def test_new_state_has_bf16_scales_half_the_bytes():
+    """`init_state` gives int8 and int4 state bf16 block scales (`layouts.SCALE_DTYPE`): half the bytes of float32
+    ones, 2 bytes per 64 elements beside each state's codes; `quantize` makes either on request, `dequantize`
+    reads either, and any other dtype is refused naming both."""
+    w = torch.randn(96, 640)
+    for layout in ("int8", "int4"):
+        state = forge_dsl.init_state("adamw", w, layout=layout)
+        for name in ("exp_avg", "exp_avg_sq"):
+            scale = state[f"{name}.scale"]
+            assert scale.dtype == torch.bfloat16 == L.SCALE_DTYPE and tuple(scale.shape) == (96, 10)
+            t = state[name]
+            lay = L.layout_of(t, w.shape)
+            _, fp32 = L.quantize(torch.zeros(96, 640), lay, scale_dtype=torch.float32)
+            assert scale.nbytes * 2 == fp32.nbytes == 96 * 640 // 64 * 4
+            assert scale.nbytes / t.nbytes == (2 / 64 if layout == "int8" else 4 / 64)  # 3.125 %, int4 6.25 %
+    x = torch.randn(3, 128)
+    with pytest.raises(TypeError, match=r"scale_dtype must be torch.float32 or torch.bfloat16 \(block scales\), "
+                                        r"got torch.float16"):
+        L.quantize(x, StateLayout.INT8, scale_dtype=torch.float16)
+    q, scale = L.quantize(x, StateLayout.INT4)
+    with pytest.raises(TypeError, match=r"INT4 block scale dtype must be torch.float32 or torch.bfloat16"):
+        L.dequantize(q, scale.half(), StateLayout.INT4)
+    # a bf16 scale is the block maximum rounded up: the decoded values follow it, within the same bound relative
+    # to the stored scale (larger than with float32 scales by less than 1 + 2**-7)
+    q8, s8 = L.quantize(x, StateLayout.INT8)
+    q8f, s8f = L.quantize(x, StateLayout.INT8, scale_dtype=torch.float32)
+    ratio = s8.double() / s8f.double()
+    assert (ratio >= 1).all() and (ratio < 1 + 2.0**-7).all()
+    err = (L.dequantize(q8, s8, StateLayout.INT8).double() - x.double()).abs()
+    assert (err <= s8.double().repeat_interleave(64, 1) / 254 * (1 + 1e-6)).all()
 
 
 def test_resolve_layout_and_layout_of():
@@ -216,14 +265,24 @@ def _update_kernel(q, scale, out, n_rows, n_cols, n_blocks, mult, LAYOUT: tl.con
 PAD = 64  # sentinel bytes / scales past the real tensors: catch out-of-bounds stores
 
 
-def _run_store(x, layout, block):
+def _scale_arg(t):
+    """Block scales as the kernels take them: float32, or bf16 as its int16 view."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _scale_bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _run_store(x, layout, block, scale_dtype=torch.float32):
     rows, cols = x.shape
     nb = L.n_blocks(cols)
     qbuf = torch.full((rows * cols // 2 + PAD,), 0x55, dtype=L.storage_dtype(layout), device=DEVICE)
-    sbuf = torch.full((rows * nb + PAD,), -7.0, device=DEVICE)
+    sbuf = torch.full((rows * nb + PAD,), -7.0, dtype=scale_dtype, device=DEVICE)
     bn, bk = block
     _store_kernel[(triton.cdiv(rows, bn), triton.cdiv(cols, bk))](
-        x.to(DEVICE).contiguous(), qbuf, sbuf, rows, cols, nb, LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
+        x.to(DEVICE).contiguous(), qbuf, _scale_arg(sbuf), rows, cols, nb, LAYOUT=int(layout), BLOCK_N=bn,
+        BLOCK_K=bk)
     qbuf, sbuf = qbuf.cpu(), sbuf.cpu()
     assert (qbuf[rows * cols // 2:] == 0x55).all() and (sbuf[rows * nb:] == -7.0).all(), "stored past the end"
     return qbuf[: rows * cols // 2].reshape(rows, cols // 2), sbuf[: rows * nb].reshape(rows, nb)
@@ -245,13 +304,17 @@ def _edge_values(layout) -> torch.Tensor:
     tiny = torch.full((128,), 1e-39 if layout == StateLayout.INT4 else 1e-38)
     tiny[64:] = torch.linspace(0, 3e-38, 64)
     rows.append(tiny)
-    rows.append(torch.full((128,), -0.0))
+    big = torch.full((128,), -0.0)  # a -0 block, and one whose maximum is above the largest finite bf16
+    big[64:] = torch.linspace(-3.0e38, 3.0e38, 64, dtype=torch.float64).float()
+    big[64 + 17] = torch.finfo(torch.float32).max
+    rows.append(big)
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", FOUR, ids=lambda l: l.name)
 @pytest.mark.parametrize("shape,block", [((19, 200), (8, 128)), ((5, 128), (4, 64)), ((6, 136), (2, 256))])
-def test_store_state_matches_quantize_bit_for_bit(layout, shape, block):
+def test_store_state_matches_quantize_bit_for_bit(layout, shape, block, scale_dtype):
     """`store_state` writes the bytes and scales `layouts.quantize` computes: random rows (ragged last blocks and
     tiles, rows past the tensor masked), threshold edges, NaN / inf / -0 / tiny-scale blocks; nothing written
     past the tensors."""
@@ -262,35 +325,40 @@ def test_store_state_matches_quantize_bit_for_bit(layout, shape, block):
         x[1, :cols:3] = -x[1, :cols:3]  # negatives: stored as 0
     edges = _edge_values(layout)
     if cols >= 128:
-        x[-edges.shape[0]:, :128] = edges
-    q, s = _run_store(x, layout, block)
-    ref_q, ref_s = L.quantize(x, layout)
+        n = min(rows, edges.shape[0])
+        x[-n:, :128] = edges[-n:]
+    q, s = _run_store(x, layout, block, scale_dtype)
+    ref_q, ref_s = L.quantize(x, layout, scale_dtype=scale_dtype)
+    assert s.dtype == ref_s.dtype == scale_dtype
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-    assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
+    assert torch.equal(_scale_bits(s), _scale_bits(ref_s))
+    if scale_dtype == torch.bfloat16 and cols >= 128:  # the maximum above the largest bf16 saturates to it
+        assert _scale_bits(s)[-1, 1] == 0x7F7F
 
 
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", FOUR, ids=lambda l: l.name)
-def test_load_and_update_match_torch_bit_for_bit(layout):
+def test_load_and_update_match_torch_bit_for_bit(layout, scale_dtype):
     """`load_state` decodes what `dequantize` does (NaN blocks as NaN), and a load → × 0.75 → store in place
     writes `quantize(dequantize(...) * 0.75)`."""
     gen = torch.Generator().manual_seed(3)
     rows, cols = 11, 200
     x = (_signed if layout == StateLayout.INT4 else _nonneg)(rows, cols, gen)
     x[-5:, :128] = _edge_values(layout)
-    q, s = L.quantize(x, layout)
+    q, s = L.quantize(x, layout, scale_dtype=scale_dtype)
     qd, sd = q.to(DEVICE).clone(), s.to(DEVICE).clone()
     out = torch.full((rows, cols), 777.0, device=DEVICE)
     bn, bk = 8, 128
     _update_kernel[(triton.cdiv(rows, bn), triton.cdiv(cols, bk))](
-        qd, sd, out, rows, cols, L.n_blocks(cols), 0.75, LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
+        qd, _scale_arg(sd), out, rows, cols, L.n_blocks(cols), 0.75, LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
     want = L.dequantize(q, s, layout)
     got = out.cpu()
     nan = torch.isnan(want)
     assert nan.any() and torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
-    ref_q, ref_s = L.quantize(want * 0.75, layout)
+    ref_q, ref_s = L.quantize(want * 0.75, layout, scale_dtype=scale_dtype)
     assert torch.equal(qd.cpu().view(torch.uint8), ref_q.view(torch.uint8))
-    assert torch.equal(sd.cpu().view(torch.int32), ref_s.view(torch.int32))
+    assert torch.equal(_scale_bits(sd.cpu()), _scale_bits(ref_s))
 
 
 # ---------------------------------------------------------------------------
@@ -321,12 +389,14 @@ def probe(tmp_path_factory):
 
 
 def _torch_probe_step(w, g, state):
-    """The probe's step in fp32 torch from the stored int4 state: new weight and the expected storage."""
-    m = L.dequantize(state["m"], state["m.scale"], StateLayout.INT4)
-    v = L.dequantize(state["v"], state["v.scale"], StateLayout.UINT4)
+    """The probe's step in fp32 torch from the stored quantized state (int4, or int8: its layouts and its scales'
+    dtype as stored): new weight and the expected storage."""
+    lm, lv = (L.layout_of(state[k], scale=state[f"{k}.scale"]) for k in ("m", "v"))
+    m = L.dequantize(state["m"], state["m.scale"], lm)
+    v = L.dequantize(state["v"], state["v.scale"], lv)
     w_new = (w.float() + m) - v
-    qm, sm = L.quantize(g.float(), StateLayout.INT4)
-    qv, sv = L.quantize(g.float() * g.float(), StateLayout.UINT4)
+    qm, sm = L.quantize(g.float(), lm, scale_dtype=state["m.scale"].dtype)  # the scales' format stays
+    qv, sv = L.quantize(g.float() * g.float(), lv, scale_dtype=state["v.scale"].dtype)
     return w_new, {"m": qm, "m.scale": sm, "v": qv, "v.scale": sv}, w.float().abs() + m.abs() + v.abs()
 
 
@@ -352,16 +422,21 @@ def _assert_state_bits(state, want):
                            b.view(torch.uint8) if b.dtype != torch.float32 else b.view(torch.int32)), k
 
 
-@pytest.mark.parametrize("shape", [(9, 200), (130,), (2, 3, 128)])
-def test_elementwise_step_with_int4_state_is_bit_exact(probe, shape):
+@pytest.mark.parametrize("layout", ["int4", "int8"])
+@pytest.mark.parametrize("shape,scale_dtype", [((9, 200), torch.bfloat16), ((130,), torch.bfloat16),
+                                               ((2, 3, 128), torch.bfloat16), ((9, 200), torch.float32)])
+def test_elementwise_step_with_int4_state_is_bit_exact(probe, shape, scale_dtype, layout):
     """The stored int4 state is `quantize` of the new gradient and its square, bit for bit, and the weight moves by
     the decoded old states. The weight is bit-exact in the interpreter; compiled, the kernel is built with fp
     fusion, so the decode's multiply and the spec's add may contract into one FMA (one rounding instead of two):
     there the weight is within 1 fp32 ulp of torch's, while the stored state's bits must still match exactly."""
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(shape, generator=gen).to(DEVICE)
-    state = forge_dsl.init_state(probe, w, layout="int4")
-    assert state["m"].shape == shape[:-1] + (shape[-1] // 2,) and state["v"].dtype == torch.uint8
+    state = forge_dsl.init_state(probe, w, layout=layout)
+    four = StateLayout.INT4 if layout == "int4" else StateLayout.INT8
+    assert state["m"].shape == L.storage_shape(four, shape) and state["v"].dtype == torch.uint8
+    assert state["m.scale"].dtype == state["v.scale"].dtype == torch.bfloat16  # new state: bf16 scales
+    _with_scales(state, scale_dtype)
     for step in (1, 2, 3):
         g = (torch.randn(shape, generator=gen) * (1 + step)).to(DEVICE)
         w_new, want, operands = _torch_probe_step(w.cpu(), g.cpu(), {k: v.cpu() for k, v in state.items()})
@@ -370,8 +445,10 @@ def test_elementwise_step_with_int4_state_is_bit_exact(probe, shape):
         _assert_weight_bits(w, w_new, f"step {step}", operands)
 
 
-@pytest.mark.parametrize("config", [None, "halves"])
-def test_fused_step_with_int4_state_is_bit_exact(probe, config):
+@pytest.mark.parametrize("layout", ["int4", "int8"])
+@pytest.mark.parametrize("config,scale_dtype", [(None, torch.bfloat16), ("halves", torch.bfloat16),
+                                                (None, torch.float32)])
+def test_fused_step_with_int4_state_is_bit_exact(probe, config, scale_dtype, layout):
     """The fused kernel (dW in its registers) stores the int4 state of its own dW: the stored bytes are
     `quantize` of that dW (read back from m's twin, an fp32 copy of the same spec), bit for bit, and the weight
     moves by the decoded old states: bit-exact in the interpreter; compiled with fp fusion, where the decode's
@@ -383,7 +460,8 @@ def test_fused_step_with_int4_state_is_bit_exact(probe, config):
     n, k, t = 72, 200, 40
     w = torch.randn(n, k, generator=gen).to(DEVICE)
     w_fp32 = w.clone()
-    state = forge_dsl.init_state(probe, w, layout="int4")
+    state = forge_dsl.init_state(probe, w, layout=layout)
+    _with_scales(state, scale_dtype)
     twin = forge_dsl.init_state(probe, w_fp32, layout="fp32")
     for step in (1, 2):
         x = torch.randn(t, k, generator=gen).to(DEVICE)
@@ -518,11 +596,26 @@ def test_optimizer_int4_state_against_torch():
     assert "state int4" in opt.describe()
 
 
-def test_state_dict_round_trip_and_describe(tmp_path):
+def _with_scales(state: dict, scale_dtype) -> None:
+    """Re-store every quantized state of `state` (in place) with block scales of `scale_dtype`, as a checkpoint
+    written before bf16 scales holds them (float32)."""
+    for name in [k for k in state if f"{k}.scale" in state]:
+        t, scale = state[name], state[f"{name}.scale"]
+        layout = L.layout_of(t, scale=scale)
+        state[name], state[f"{name}.scale"] = L.quantize(L.dequantize(t, scale, layout), layout,
+                                                         scale_dtype=scale_dtype)
+
+
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
+def test_state_dict_round_trip_and_describe(tmp_path, scale_dtype):
+    """An int4 checkpoint loads bit for bit and continues as the optimizer that saved it would; with float32
+    scales (every checkpoint before bf16 ones) too, which stay float32 as it steps."""
     model = _model(3)
     forge_dsl.fuse(model)
     opt = ForgeOptimizer(model, "adamw", lr=1e-2, state_dtype="int4", rounding="nearest", seed=4)
     _train(model, opt, 2)
+    for state in opt.state.values():
+        _with_scales(state, scale_dtype)
     path = tmp_path / "opt.pt"
     torch.save(opt.state_dict(), path)
     sd = torch.load(path, weights_only=True)
@@ -535,11 +628,17 @@ def test_state_dict_round_trip_and_describe(tmp_path):
     for p, p2 in zip(model.parameters(), model2.parameters()):
         _assert_state_bits(opt2.state[p2], {k: v.cpu() for k, v in opt.state[p].items() if k.startswith("exp")})
     text = opt2.describe()
-    assert "state held: exp_avg int4 ×3, fp32 ×1; exp_avg_sq uint4 (no-zero map) ×3, fp32 ×1" in text, text
+    words = "fp32" if scale_dtype == torch.float32 else "bf16"
+    assert (f"state held: exp_avg int4 ({words} scales) ×3, fp32 ×1; exp_avg_sq uint4 (no-zero map, {words} scales) "
+            "×3, fp32 ×1") in text, text
     _train(model, opt, 1, seed=9)
     _train(model2, opt2, 1, seed=9)
     for p, p2 in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, p2)
+        for k, v in opt.state[p].items():
+            if k.endswith(".scale"):
+                assert v.dtype == opt2.state[p2][k].dtype == scale_dtype
+        _assert_state_bits(opt2.state[p2], {k: v.cpu() for k, v in opt.state[p].items() if k.startswith("exp")})
 
 
 def test_state_dict_refusals():
@@ -560,9 +659,15 @@ def test_state_dict_refusals():
     # an int4 checkpoint's state cast to fp32 (dcp.load into an fp32 optimizer): refused, naming the storage
     cast = {**sd, "state": {**sd["state"], idx: {**sd["state"][idx],
                                                  "exp_avg": sd["state"][idx]["exp_avg"].float()}}}
-    with pytest.raises(ValueError, match="stores it as int8 bytes of two int4 codes each with a float32 "
+    with pytest.raises(ValueError, match="stores it as int8 bytes of two int4 codes each with a float32 or bfloat16 "
                                          r"'exp_avg.scale' of shape \(128, 1\)"):
         fresh.load_state_dict(cast)
+    # scales of another dtype (a float16 cast) or shape: refused, naming both scale dtypes
+    for bad_scale in (sd["state"][idx]["exp_avg.scale"].half(), sd["state"][idx]["exp_avg.scale"][:64]):
+        recast = {**sd, "state": {**sd["state"], idx: {**sd["state"][idx], "exp_avg.scale": bad_scale}}}
+        with pytest.raises(ValueError, match=r"'exp_avg.scale' of .* is torch.\w+ of shape \(\d+, 1\); int4 "
+                                             r"'exp_avg' needs float32 or bfloat16 of shape \(128, 1\)"):
+            fresh.load_state_dict(recast)
     no_scale = {**sd, "state": {**sd["state"], idx: {k: v for k, v in sd["state"][idx].items()
                                                      if k != "exp_avg.scale"}}}
     with pytest.raises(ValueError, match="state_dict's int4 'exp_avg' of .* has no 'exp_avg.scale'"):
@@ -574,14 +679,18 @@ def test_kernel_refusals(probe):
     g = torch.randn(4, 128, device=DEVICE)
     state = forge_dsl.init_state(probe, w, layout="int4")
     bad_scale = {**state, "m.scale": torch.zeros(4, 4, device=DEVICE)}  # the scales of 256 columns
-    with pytest.raises(ValueError, match=r"int4 state 'm' needs 'm.scale', a float32 tensor of shape \(4, 2\)"):
+    needs = "a contiguous float32 or bfloat16 tensor of shape"
+    with pytest.raises(ValueError, match=rf"int4 state 'm' needs 'm.scale', {needs} \(4, 2\)"):
         kernels.step(probe, w, g, bad_scale, step=1)
+    for other in (state["m.scale"].half(), state["m.scale"].float().t().contiguous().t()):  # float16; a transpose
+        with pytest.raises(ValueError, match=rf"int4 state 'm' needs 'm.scale', {needs} \(4, 2\)"):
+            kernels.step(probe, w, g, {**state, "m.scale": other}, step=1)
     wrong = {**state, "m": torch.zeros(4, 32, dtype=torch.int8, device=DEVICE)}
     with pytest.raises(ValueError, match=re.escape("state 'm' has shape (4, 32) but the parameter has (4, 128) "
                                                    "(int4 state holds two codes a byte")):
         kernels.step(probe, w, g, wrong, step=1)
     no_scale = {k: v for k, v in state.items() if k != "v.scale"}
-    with pytest.raises(ValueError, match=r"int4 state 'v' needs 'v.scale', a float32 tensor of shape \(4, 2\)"):
+    with pytest.raises(ValueError, match=rf"int4 state 'v' needs 'v.scale', {needs} \(4, 2\)"):
         kernels.step(probe, w, g, no_scale, step=1)
     odd = torch.randn(4, 129, device=DEVICE)
     assert forge_dsl.init_state(probe, odd, layout="int4")["m"].dtype == torch.float32  # odd last dim: fp32

@@ -174,6 +174,12 @@ def test_changed_metadata_takes_the_checked_path(recorder):
     assert kinds(config=None) is None  # the CPU's default config: the Triton kernel, in the interpreter
     fp32_state = forge_dsl.init_state(spec, w, layout="fp32")
     assert kinds(state=fp32_state) == "run"
+    int8_state = forge_dsl.init_state(spec, w, layout="int8")  # bf16 block scales
+    assert kinds(state=int8_state) == "run"
+    assert kinds(state=int8_state) == "launcher"
+    fp32_scales = {k: (v.float() if k.endswith(".scale") else v) for k, v in int8_state.items()}  # an old checkpoint's
+    assert kinds(state=fp32_scales) == "run"  # the scales' dtype is part of the key: a kernel of its own
+    assert kinds(state=fp32_scales) == "launcher"
     with pytest.raises(ValueError, match="step must be a positive integer"):
         kinds(step=0)
     with pytest.raises(ValueError, match="rounding must be one of"):

@@ -142,11 +142,51 @@ def test_loaded_layout_seed_and_rounding_become_the_optimizers():
     text = opt2.describe()
     assert "ForgeOptimizer(adamw, state int8, rounding nearest)" in text
     # fp32 where a last dim is below one block (the [16] bias), int8 / uint8 elsewhere
-    assert "state held: exp_avg int8 ×5, fp32 ×1; exp_avg_sq uint8 (sqrt map) ×5, fp32 ×1" in text
+    assert ("state held: exp_avg int8 (bf16 scales) ×5, fp32 ×1; exp_avg_sq uint8 (sqrt map, bf16 scales) ×5, "
+            "fp32 ×1") in text
     train(fresh, opt2, batches(1))
     bias = dict(fresh.named_parameters())["1.bias"]
     assert opt2.state[bias]["exp_avg"].dtype == torch.int8
     assert opt2.state[bias]["exp_avg_sq"].dtype == torch.uint8
+
+
+def test_a_checkpoint_with_fp32_scales_loads_and_continues_bit_identically():
+    """A state dict whose block scales are float32 (every checkpoint from before bf16 scales; made here by
+    re-storing trained int8 state with float32 scales) loads bit for bit, keeps its float32 scales as it steps, and
+    the loaded optimizer writes what the one that saved it writes; describe() names the scales' dtype. A
+    parameter that gets its first state after loading gets new (bf16) scales."""
+    from forge_dsl import layouts as L
+
+    model, opt = trained(state_dtype="int8", rounding="nearest", seed=5)
+    for state in opt.state.values():
+        for name in [k for k in state if f"{k}.scale" in state]:
+            t, scale = state[name], state[f"{name}.scale"]
+            layout = L.layout_of(t, scale=scale)
+            state[name], state[f"{name}.scale"] = L.quantize(L.dequantize(t, scale, layout), layout,
+                                                             scale_dtype=torch.float32)
+    sd = opt.state_dict()
+    del sd["state"][5]  # the LayerNorm bias ([96]): it gets its first state after loading
+    fresh = make_model()
+    fresh.load_state_dict(model.state_dict())
+    opt2 = ForgeOptimizer(fresh, "adamw", model_params=groups(fresh), state_dtype="int8", rounding="nearest",
+                          seed=5, lr=1e-2)
+    opt2.load_state_dict(round_trip(sd))
+    params, params2 = list(model.parameters()), list(fresh.parameters())
+    bias = dict(model.named_parameters())["1.bias"]
+    opt.state[bias].clear()  # the saving optimizer starts that parameter afresh too
+    assert "exp_avg int8 (fp32 scales) ×5, fp32 ×1;" in opt2.describe(), opt2.describe()
+    train(model, opt, batches(2))
+    train(fresh, opt2, batches(2))
+    for p, p2 in zip(params, params2):
+        assert torch.equal(p, p2)
+        for k, v in opt.state[p].items():
+            v2 = opt2.state[p2][k]
+            assert v.dtype == v2.dtype and torch.equal(v.view(torch.uint8) if v.dim() else v, v2.view(torch.uint8)
+                                                       if v2.dim() else v2), k
+            if k.endswith(".scale"):
+                assert v.dtype == (torch.bfloat16 if p is bias else torch.float32), k
+    text = opt2.describe()
+    assert "exp_avg int8 (fp32 scales) ×5, fp32 ×1, int8 (bf16 scales) ×1;" in text, text
 
 
 def test_describe_reports_the_layout_held():
@@ -217,8 +257,8 @@ CORRUPTIONS = {
     # int8 codes cast to float32 (what dcp.load into an fp32 optimizer's state does), scales kept or not
     "codes-cast-to-float32": (_set(1, "exp_avg", lambda t: t.float()),
                               r"'exp_avg' of parameter '2.weight' is torch.float32, but the layout it was saved with "
-                              r"\(state_dtype 'int8'\) stores it as int8 codes with a float32 'exp_avg.scale' of shape "
-                              r"\(72, 2\).*Construct the optimizer with state_dtype='int8'"),
+                              r"\(state_dtype 'int8'\) stores it as int8 codes with a float32 or bfloat16 "
+                              r"'exp_avg.scale' of shape \(72, 2\).*Construct the optimizer with state_dtype='int8'"),
     "signed-codes-viewed-as-uint8": (_set(1, "exp_avg", lambda t: t.view(torch.uint8)),
                                      r"'exp_avg' of parameter '2.weight' is torch.uint8.*int8 codes"),
     "unsigned-codes-viewed-as-int8": (_set(1, "exp_avg_sq", lambda t: t.view(torch.int8)),
@@ -228,7 +268,8 @@ CORRUPTIONS = {
                       r"'exp_avg' of parameter '3.bias' is torch.bfloat16.*stores it as torch.float32"),
     "scale-dropped": (_delete(1, "exp_avg.scale"), r"int8 'exp_avg' of parameter '2.weight' has no 'exp_avg.scale'"),
     "scale-shape": (_set(1, "exp_avg.scale", lambda t: t[:, :1]),
-                    r"'exp_avg.scale' of parameter '2.weight' is torch.float32 of shape \(72, 1\).*\(72, 2\)"),
+                    r"'exp_avg.scale' of parameter '2.weight' is torch.bfloat16 of shape \(72, 1\); int8 "
+                    r"'exp_avg' needs float32 or bfloat16 of shape \(72, 2\)"),
     "scale-dtype": (_set(1, "exp_avg.scale", lambda t: t.double()), r"'exp_avg.scale'.*is torch.float64"),
     "scale-on-fp32-state": (_state_entry(6, "exp_avg.scale", torch.ones(1, 1)),
                             r"entries \['exp_avg.scale'\] that adamw with state_dtype 'int8' does not keep"),

@@ -129,22 +129,32 @@ PAD = 96  # sentinel tail after the storage and the scales: catches out-of-bound
 SENTINEL = {torch.float32: 4096.0, torch.bfloat16: 4096.0, torch.int8: 0x55, torch.uint8: 0xAA}
 
 
-def _alloc_storage(rows, cols, layout):
+def _alloc_storage(rows, cols, layout, scale_dtype=torch.float32):
     """Storage and scale buffers with a sentinel-filled tail past the real tensor."""
     dt = L.storage_dtype(layout)
     qbuf = torch.full((rows * cols + PAD,), SENTINEL[dt], dtype=dt, device=DEVICE)
-    sbuf = torch.full((rows * L.n_blocks(cols) + PAD,), -7.0, dtype=torch.float32, device=DEVICE)
+    sbuf = torch.full((rows * L.n_blocks(cols) + PAD,), -7.0, dtype=scale_dtype, device=DEVICE)
     return qbuf, sbuf
 
 
-def run_state_store(x, layout, block=(32, 128)):
+def scale_arg(t):
+    """Block scales as the kernels take them (`checks.bind_states`): float32, or bf16 as its int16 view."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def sbits(t):
+    """Block scales' bit patterns (int32 for float32, int16 for bf16)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else fbits(t)
+
+
+def run_state_store(x, layout, block=(32, 128), scale_dtype=torch.float32):
     """x: 2-D fp32 CPU → (q [rows, cols], scale [rows, nb] or None, qbuf, sbuf) CPU."""
     rows, cols = x.shape
     nb = L.n_blocks(cols)
-    qbuf, sbuf = _alloc_storage(rows, cols, layout)
+    qbuf, sbuf = _alloc_storage(rows, cols, layout, scale_dtype)
     bn, bk = block
     _state_store_kernel[_grid(rows, cols, bn, bk)](
-        x.to(DEVICE).contiguous(), _storage_arg(qbuf, layout), sbuf, rows, cols, nb,
+        x.to(DEVICE).contiguous(), _storage_arg(qbuf, layout), scale_arg(sbuf), rows, cols, nb,
         LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
     qbuf, sbuf = qbuf.cpu(), sbuf.cpu()
     q = qbuf[: rows * cols].reshape(rows, cols)
@@ -160,7 +170,7 @@ def run_state_load(q, scale, layout, block=(32, 128)):
     out = torch.full((rows, cols), 777.0, device=DEVICE)
     bn, bk = block
     _state_load_kernel[_grid(rows, cols, bn, bk)](
-        _storage_arg(qd, layout), sd, out, rows, cols, nb, LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
+        _storage_arg(qd, layout), scale_arg(sd), out, rows, cols, nb, LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
     return out.cpu()
 
 
@@ -171,7 +181,8 @@ def run_state_update(q, scale, layout, mult, block=(32, 128)):
     sd = scale.to(DEVICE).contiguous().clone() if scale is not None else qd
     bn, bk = block
     _state_update_kernel[_grid(rows, cols, bn, bk)](
-        _storage_arg(qd, layout), sd, rows, cols, nb, float(mult), LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
+        _storage_arg(qd, layout), scale_arg(sd), rows, cols, nb, float(mult), LAYOUT=int(layout), BLOCK_N=bn,
+        BLOCK_K=bk)
     return qd.cpu(), (sd.cpu() if scale is not None else None)
 
 
@@ -380,19 +391,31 @@ SHAPES = [(72, 136), (5, 200), (3, 64), (1, 1000)]
 BLOCKS = [(32, 128), (8, 256)]
 
 
-@pytest.mark.parametrize("layout", [l for l in StateLayout if l not in L.FOUR_BIT_LAYOUTS],  # 4-bit: test_int4.py
-                         ids=lambda l: l.name)
+# (layout, scale dtype): the 8-bit layouts with both scale formats (4-bit: test_int4.py)
+STATE_CASES = [(StateLayout.FP32, None), (StateLayout.BF16, None)] + [
+    (layout, dt) for layout in (StateLayout.INT8, StateLayout.UINT8_SQRT) for dt in L.SCALE_DTYPES]
+
+
+def _case_id(case):
+    layout, dt = case
+    return layout.name if dt is None else f"{layout.name}-{str(dt).removeprefix('torch.')}"
+
+
+@pytest.mark.parametrize("case", STATE_CASES, ids=_case_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_state_roundtrip_matches_layouts(layout, shape):
+def test_state_roundtrip_matches_layouts(case, shape):
+    layout, scale_dtype = case
+    scale_dtype = scale_dtype or torch.float32
     rows, cols = shape
     block = BLOCKS[(rows + cols) % 2]
     x = state_inputs(rows, cols, layout, seed=rows * 1000 + cols)
-    q, scale, qbuf, sbuf = run_state_store(x, layout, block=block)
-    ref_q, ref_scale = L.quantize(x, layout)
+    q, scale, qbuf, sbuf = run_state_store(x, layout, block=block, scale_dtype=scale_dtype)
+    ref_q, ref_scale = L.quantize(x, layout, scale_dtype=scale_dtype)
     assert q.dtype == L.storage_dtype(layout)
     assert torch.equal(bits16(q), bits16(ref_q)) if layout != StateLayout.FP32 else torch.equal(fbits(q), fbits(ref_q))
     if ref_scale is not None:
-        assert torch.equal(fbits(scale), fbits(ref_scale))
+        assert ref_scale.dtype == scale.dtype == scale_dtype
+        assert torch.equal(sbits(scale), sbits(ref_scale))
         assert (sbuf[rows * L.n_blocks(cols):] == -7.0).all()  # nothing written past the scales
     dt = L.storage_dtype(layout)
     assert (qbuf[rows * cols:] == SENTINEL[dt]).all()  # nothing written past the storage
@@ -403,16 +426,17 @@ def test_state_roundtrip_matches_layouts(layout, shape):
 
     # load → transform → store in place, against the torch composition
     q2, s2 = run_state_update(q, scale, layout, mult=0.75, block=block)
-    ref_q2, ref_s2 = L.quantize(ref_out * 0.75, layout)
+    ref_q2, ref_s2 = L.quantize(ref_out * 0.75, layout, scale_dtype=scale_dtype)
     assert torch.equal(bits16(q2) if layout != StateLayout.FP32 else fbits(q2),
                        bits16(ref_q2) if layout != StateLayout.FP32 else fbits(ref_q2))
     if ref_s2 is not None:
-        assert torch.equal(fbits(s2), fbits(ref_s2))
+        assert torch.equal(sbits(s2), sbits(ref_s2))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # 0 * inf in the interpreter's numpy
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", [StateLayout.INT8, StateLayout.UINT8_SQRT], ids=lambda l: l.name)
-def test_int8_zero_and_nonfinite_blocks(layout):
+def test_int8_zero_and_nonfinite_blocks(layout, scale_dtype):
     rows, cols = 5, 200
     x = torch.rand(rows, cols, generator=torch.Generator().manual_seed(4)) + 0.5
     x[0, :] = 0.0  # a whole zero row: 4 zero blocks incl. the ragged one
@@ -420,12 +444,13 @@ def test_int8_zero_and_nonfinite_blocks(layout):
     x[2, 3] = float("nan")  # block (2, 0) → NaN on read
     x[3, 130] = float("inf")  # block (3, 2) → NaN on read
     x.view(torch.int32)[4, 70] = -0x3FFFFF  # a NaN with the sign bit (0xFFC00001): block (4, 1) → NaN
-    q, scale, _, _ = run_state_store(x, layout, block=(8, 256))
-    ref_q, ref_scale = L.quantize(x, layout)
+    q, scale, _, _ = run_state_store(x, layout, block=(8, 256), scale_dtype=scale_dtype)
+    ref_q, ref_scale = L.quantize(x, layout, scale_dtype=scale_dtype)
     assert torch.equal(bits16(q), bits16(ref_q))
-    assert torch.equal(fbits(scale), fbits(ref_scale))
+    assert torch.equal(sbits(scale), sbits(ref_scale))
     assert (scale[0] == 0).all() and (q[0] == 0).all() and scale[1, 1] == 0
-    assert fbits(scale)[2, 0] == 0x7FC00000 and fbits(scale)[4, 1] == 0x7FC00000  # one NaN pattern
+    f32 = fbits(scale.float())  # bf16 → fp32 is exact: 0x7FC0 → 0x7FC00000
+    assert f32[2, 0] == 0x7FC00000 and f32[4, 1] == 0x7FC00000  # one NaN pattern
     assert torch.isinf(scale[3, 2])
     out = run_state_load(q, scale, layout, block=(8, 256))
     assert torch.equal(fbits(out[0]), torch.zeros(cols, dtype=torch.int32))  # exact +0
@@ -443,7 +468,8 @@ def _next_f32(x: torch.Tensor, direction: float) -> torch.Tensor:
     return torch.nextafter(x, torch.full_like(x, direction))
 
 
-def test_sqrt_codes_at_every_threshold():
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
+def test_sqrt_codes_at_every_threshold(scale_dtype):
     """UINT8_SQRT codes at, just below and just above each of the 255 half-way points: the
     kernel (approximate root + one exact comparison) gives the reference's codes bit for bit,
     and those are round-half-up of 255·sqrt(t) computed in float64 (apart from the points
@@ -457,9 +483,9 @@ def test_sqrt_codes_at_every_threshold():
     pad = (-t.numel()) % per_row
     t = torch.cat([t, torch.zeros(pad)])
     x = torch.cat([t.reshape(-1, per_row), torch.ones(t.numel() // per_row, 1)], dim=1)
-    q, scale, _, _ = run_state_store(x, StateLayout.UINT8_SQRT, block=(32, 64))
-    ref_q, ref_scale = L.quantize(x, StateLayout.UINT8_SQRT)
-    assert torch.equal(fbits(scale), fbits(ref_scale)) and (scale == 1.0).all()
+    q, scale, _, _ = run_state_store(x, StateLayout.UINT8_SQRT, block=(32, 64), scale_dtype=scale_dtype)
+    ref_q, ref_scale = L.quantize(x, StateLayout.UINT8_SQRT, scale_dtype=scale_dtype)
+    assert torch.equal(sbits(scale), sbits(ref_scale)) and (scale == 1.0).all()
     assert torch.equal(bits16(q), bits16(ref_q))
 
     # the reference against float64: each threshold is within 4e-7 (relative) of its half-way point
@@ -478,18 +504,68 @@ def test_sqrt_codes_at_every_threshold():
 @pytest.mark.parametrize("layout,tiny,small", [(StateLayout.INT8, 1e-37, 1e-36),
                                                (StateLayout.UINT8_SQRT, 1e-39, 1e-38)],
                          ids=["INT8", "UINT8_SQRT"])
-def test_int8_tiny_scale_blocks_read_back_as_zeros(layout, tiny, small):
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
+def test_int8_tiny_scale_blocks_read_back_as_zeros(layout, tiny, small, scale_dtype):
     """A block whose scale's reciprocal overflows fp32 stores codes 0 (reads back as zeros);
     one a little larger is still encoded. Kernel and reference agree bit for bit."""
     x = torch.rand(2, 128, generator=torch.Generator().manual_seed(5)) + 0.25
     x[0, :64] *= tiny / x[0, :64].max()
     x[1, :64] *= small / x[1, :64].max()
-    q, scale, _, _ = run_state_store(x, layout, block=(8, 128))
-    ref_q, ref_scale = L.quantize(x, layout)
-    assert torch.equal(bits16(q), bits16(ref_q)) and torch.equal(fbits(scale), fbits(ref_scale))
+    q, scale, _, _ = run_state_store(x, layout, block=(8, 128), scale_dtype=scale_dtype)
+    ref_q, ref_scale = L.quantize(x, layout, scale_dtype=scale_dtype)
+    assert torch.equal(bits16(q), bits16(ref_q)) and torch.equal(sbits(scale), sbits(ref_scale))
     assert (q[0, :64] == 0).all() and scale[0, 0] > 0
     assert (L.dequantize(ref_q, ref_scale, layout)[0, :64] == 0).all()
     assert (q[1, :64] != 0).sum() > 32 and (q[:, 64:] != 0).all()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # 127 / the largest bf16 in the interpreter's numpy
+@pytest.mark.parametrize("layout", [StateLayout.INT8, StateLayout.UINT8_SQRT], ids=lambda l: l.name)
+def test_bf16_scales_round_up_and_saturate(layout):
+    """bf16 block scales: the block maximum rounded UP to a bf16 (the next one where its low 16 bits are not
+    zero, itself where they are); a maximum above the largest finite bf16 saturates to it (not inf, which would
+    poison the block), and its codes stay in range; a subnormal maximum stays > 0. Kernel == torch, bit for bit,
+    and the codes are those of the stored (rounded) scale: x' follows the scale."""
+    big = torch.finfo(torch.float32).max
+    x = torch.rand(6, 128, generator=torch.Generator().manual_seed(9)) + 0.1
+    x[0, :64] *= 1.0 / x[0, :64].max()
+    x[0, 5] = 1.0 + 2.0**-23  # rounds up to 1 + 2**-7
+    x[1, :64] *= 1.0 / x[1, :64].max()  # exactly 1: a bf16 already
+    x[2, :64] *= big / x[2, :64].max()  # FLT_MAX: above the largest finite bf16
+    x[2, 64:] = 3.3895313892515355e38  # the largest finite bf16, exactly
+    x[3, :64] = x[3, :64] * 1e-39  # subnormal maximum (codes 0: its reciprocal overflows)
+    x[4, 64:] = torch.nextafter(torch.tensor(2.0**-126), torch.tensor(0.0))  # largest subnormal everywhere
+    if layout == StateLayout.INT8:
+        x[5] = -x[5]
+        x[2, 7] = -big
+    q, scale, _, _ = run_state_store(x, layout, block=(8, 128), scale_dtype=torch.bfloat16)
+    ref_q, ref_scale = L.quantize(x, layout, scale_dtype=torch.bfloat16)
+    assert torch.equal(bits16(q), bits16(ref_q)) and torch.equal(sbits(scale), sbits(ref_scale))
+    s = scale.view(torch.int16).to(torch.int32)
+    m = x.abs().reshape(6, 2, 64).amax(-1)
+    amax = fbits(m)
+    want = (amax >> 16) + ((amax & 0xFFFF) != 0).to(torch.int32)
+    assert torch.equal(s, want.clamp_max(0x7F7F))
+    assert s[0, 0] == 0x3F81 and s[1, 0] == 0x3F80 and s[2, 0] == 0x7F7F and s[2, 1] == 0x7F7F
+    saturated = want > 0x7F7F
+    assert saturated.sum() == 1 and saturated[2, 0]
+    assert (scale.float()[~saturated] >= m[~saturated]).all()
+    assert (scale.float()[~saturated].double() <= m[~saturated].double() * (1 + 2.0**-7)).all()
+    assert torch.isfinite(scale.float()).all() and (scale.float() > 0).all()
+    out = run_state_load(q, scale, layout, block=(8, 128))
+    assert torch.equal(fbits(out), fbits(L.dequantize(ref_q, ref_scale, layout)))
+    assert torch.isfinite(out).all()
+    top = 127 if layout == StateLayout.INT8 else 255
+    assert q[2, :64].to(torch.int32).abs().max() == top  # saturated: the largest code, no wrap-around
+    assert (out[3, :64] == 0).all()
+    # away from saturation x' is within half a step of the STORED scale
+    ok = torch.ones(6, 128, dtype=torch.bool)
+    ok[2, :64] = False
+    ok[3, :64] = ok[4, 64:] = False  # reciprocals overflow: codes 0
+    if layout == StateLayout.INT8:
+        err = (out.double() - x.double()).abs()
+        step = scale.double().repeat_interleave(64, dim=1) / 127
+        assert (err[ok] <= step[ok] / 2 * (1 + 1e-6)).all()
 
 
 def test_bf16_state_rne_matches_weights():
@@ -513,22 +589,26 @@ def _bound_inputs(layout):
     return xs
 
 
-def test_int8_error_bound():
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
+def test_int8_error_bound(scale_dtype):
+    """Half a step of the STORED scale (bf16 scales: the block maximum rounded up, by less than 1 + 2**-7)."""
     for x in _bound_inputs(StateLayout.INT8):
-        q, s = L.quantize(x, StateLayout.INT8)
+        q, s = L.quantize(x, StateLayout.INT8, scale_dtype=scale_dtype)
         d = L.dequantize(q, s, StateLayout.INT8).double()
         se = s.double().repeat_interleave(64, 1)[:, : x.shape[1]]
         err = (d - x.double()).abs()
         # half a step plus a few fp32 roundings of scale-sized quantities
         assert (err <= se / 254 + 4 * 2.0 ** -24 * se).all()
         assert q.abs().max() <= 127
-        # the block's absmax is represented almost exactly (code ±127)
-        assert (q.abs().reshape(-1) == 127).sum() >= s.numel() - (s == 0).sum()
+        # the block's absmax is represented almost exactly (code ±127; bf16 scales: 127 M / scale > 126.01)
+        top = 127 if scale_dtype == torch.float32 else 126
+        assert (q.abs().reshape(-1) >= top).sum() >= s.numel() - (s == 0).sum()
 
 
-def test_uint8_sqrt_error_bound():
+@pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
+def test_uint8_sqrt_error_bound(scale_dtype):
     for x in _bound_inputs(StateLayout.UINT8_SQRT):
-        q, s = L.quantize(x, StateLayout.UINT8_SQRT)
+        q, s = L.quantize(x, StateLayout.UINT8_SQRT, scale_dtype=scale_dtype)
         d = L.dequantize(q, s, StateLayout.UINT8_SQRT).double()
         se = s.double().repeat_interleave(64, 1)[:, : x.shape[1]]
         xd = x.double()
@@ -588,7 +668,8 @@ def test_storage_dtypes_rows_blocks():
 def test_quantize_shapes_and_dtypes():
     x = torch.randn(2, 3, 70, dtype=torch.float64)
     q, s = L.quantize(x, StateLayout.INT8)
-    assert q.shape == x.shape and q.dtype == torch.int8 and s.shape == (6, 2) and s.dtype == torch.float32
+    assert q.shape == x.shape and q.dtype == torch.int8 and s.shape == (6, 2) and s.dtype == torch.bfloat16
+    assert L.quantize(x, StateLayout.INT8, scale_dtype=torch.float32)[1].dtype == torch.float32
     assert L.dequantize(q, s, StateLayout.INT8).shape == x.shape
     q, s = L.quantize(x.abs().half(), StateLayout.UINT8_SQRT)
     assert q.dtype == torch.uint8 and s.shape == (6, 2)

@@ -12,7 +12,7 @@ from typing import Any, MutableMapping
 
 import torch
 
-from ..layouts import BLOCK, StateLayout, as_rows, is_quantized, layout_of, n_blocks, storage_shape
+from ..layouts import BLOCK, SCALE_DTYPES, StateLayout, as_rows, is_quantized, layout_of, n_blocks, storage_shape
 from .policy import TileConfig, hopper_with_gluon, interpreting
 
 ROUNDINGS = ("stochastic", "nearest")
@@ -68,8 +68,8 @@ def exact_states(spec) -> frozenset[str]:
 @dataclass(frozen=True)
 class StateArgs:
     """The kernels' state arguments (`tile_kernels`) for a variant's states `names`, in that order: each
-    state's storage (bf16 as its int16 view), its block scales (int8 / uint8; the storage itself, never
-    read, otherwise) and its layout code."""
+    state's storage (bf16 as its int16 view), its block scales (int8 / uint8: float32, or bfloat16 as its int16
+    view; the storage itself, never read, otherwise) and its layout code."""
 
     storage: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...]
@@ -110,12 +110,16 @@ def bind_states(spec, names: tuple[str, ...], state: MutableMapping[str, torch.T
         scale = state.get(f"{name}.scale")
         if is_quantized(layout):
             rows, cols = as_rows(weight).shape
-            if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (rows, n_blocks(cols)):
+            if (scale is None or scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != (rows, n_blocks(cols))
+                    or scale.device != weight.device or not scale.is_contiguous()):
                 raise ValueError(
                     f"{'int4' if layout in (StateLayout.INT4, StateLayout.UINT4) else 'int8'} state '{name}' needs "
-                    f"'{name}.scale', a float32 tensor of shape ({rows}, {n_blocks(cols)})"
+                    f"'{name}.scale', a contiguous float32 or bfloat16 tensor of shape ({rows}, {n_blocks(cols)}) "
+                    f"on the parameter's device"
                 )
             storage = t
+            if scale.dtype == torch.bfloat16:
+                scale = scale.view(torch.int16)  # the kernels read bf16 scales as bits (`triton_lib.load_state_raw`)
         else:
             storage = t.view(torch.int16) if layout == StateLayout.BF16 else t
             scale = storage  # never read: the layout is a constexpr

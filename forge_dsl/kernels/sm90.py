@@ -38,6 +38,8 @@ __all__ = ["Resources", "compile_fused", "main"]
 
 _STATE_POINTER = {StateLayout.FP32: "*fp32", StateLayout.BF16: "*i16", StateLayout.INT8: "*i8",
                   StateLayout.UINT8_SQRT: "*u8", StateLayout.INT4: "*i8", StateLayout.UINT4: "*u8"}
+# The block scales as `checks.bind_states` passes them: float32, or bfloat16 as its int16 view.
+_SCALE_POINTER = {torch.float32: "*fp32", torch.int16: "*i16"}
 # Arguments the JIT would see as multiples of 16 for the usual layer sizes (pointers and sizes).
 _DIVISIBLE = {"X", "DY", "W", "N", "K", "n_blocks", "stride_xt", "stride_dyt"}
 
@@ -107,8 +109,8 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
         elif arg == "STATES":
             signature[arg] = storage
         elif arg == "SCALES":  # the block scales of int8 / uint8 state, the storage itself (never read) otherwise
-            signature[arg] = tuple("*fp32" if is_quantized(code) else pointer
-                                   for code, pointer in zip(states.layouts, storage))
+            signature[arg] = tuple(_SCALE_POINTER[scale.dtype] if is_quantized(code) else pointer
+                                   for code, pointer, scale in zip(states.layouts, storage, states.scales))
         elif arg == "HOST":
             signature[arg] = tuple("i32" if isinstance(value, int) else "fp32" for value in exports)
         else:

@@ -527,7 +527,7 @@ def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs,
                    LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Issue the loads of a state tile in its storage type; `decode_state` them later.
 
-    Returns (codes [BLOCK_N, BLOCK_K], scales [BLOCK_N, BLOCK_K // 64] fp32) for the quantized
+    Returns (codes [BLOCK_N, BLOCK_K], scales [BLOCK_N, BLOCK_K // 64] fp32, bf16 ones converted) for the quantized
     layouts (4-bit: each element's code as uint8, shifted out of its byte), and (storage tile, the
     same tile again, unused) for FP32 and BF16. Arguments as for `load_state`.
     """
@@ -542,7 +542,12 @@ def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs,
         tl.static_assert(BLOCK_K % 64 == 0, "BLOCK_K must be a multiple of 64")
         tl.static_assert(LAYOUT >= 2 and LAYOUT <= 5, "unknown state layout")
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
-        scale = tl.load(scale_ptr + scale_offs, mask=bmask, other=0.0)
+        if scale_ptr.dtype.element_ty == tl.int16:  # bf16 scales (their bits): exact in fp32
+            scale = bf16_bits_to_fp32(tl.load(scale_ptr + scale_offs, mask=bmask, other=0))
+        else:
+            tl.static_assert(scale_ptr.dtype.element_ty == tl.float32,
+                             "block scales must be float32, or bfloat16 passed as t.view(torch.int16)")
+            scale = tl.load(scale_ptr + scale_offs, mask=bmask, other=0.0)
         if LAYOUT >= 4:
             b = tl.load(ptr + (offs >> 1), mask=mask, other=0)  # [BN, BK]: each element's byte
             shift = ((offs & 1) * 4).to(tl.int32)  # the high nibble for an odd element
@@ -583,8 +588,9 @@ def load_state(ptr, scale_ptr, offs, mask, scale_offs,
 
     Args:
         ptr: the storage (fp32; int16 view of bf16; int8; uint8; int8 / uint8 bytes of two 4-bit codes, by LAYOUT).
-        scale_ptr: the fp32 block scales `[rows, n_blocks]` (quantized layouts only;
-            pass any pointer, e.g. the storage, otherwise).
+        scale_ptr: the block scales `[rows, n_blocks]` (quantized layouts only; pass any pointer, e.g. the
+            storage, otherwise): fp32, or bf16 as its int16 view. The pointer's element type picks the
+            format at compile time (`forge_dsl.layouts.SCALE_DTYPES`).
         offs, mask: from `tile_offsets`.
         scale_offs: [BLOCK_N, BLOCK_K // 64] offsets of the tile's block scales in scale_ptr
             (`block_scale_offsets`; read by the int8 layouts only). BLOCK_K is a multiple of 64.
@@ -602,6 +608,8 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
     (masked elements excluded), the codes and the `[BLOCK_N, BLOCK_K // 64]` scales are
     written (scales at scale_ptr + scale_offs, only for blocks holding an unmasked
     element; 4-bit codes two a byte, `_store_pairs`). BF16 rounds to nearest even.
+    bf16 scales (an int16 `scale_ptr`) hold the block maximum rounded UP to a bf16 (saturating at the
+    largest finite one), and the codes are computed against that rounded scale.
     """
     if LAYOUT == 0:
         tl.store(ptr + offs, value.to(tl.float32), mask=mask)
@@ -625,7 +633,18 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
             amax = tl.where(amax >= 0x7F800000, 0x7FC00000, amax)  # inf or NaN: the one NaN pattern
         else:
             amax = tl.where(amax > 0x7F800000, 0x7FC00000, amax)  # one NaN pattern for the scale
-        scale = amax.to(tl.float32, bitcast=True)  # [BLOCK_N, NB]
+        if scale_ptr.dtype.element_ty == tl.int16:
+            # bf16 scale bits: the high half, + 1 where the low half is nonzero; finite maxima saturate at
+            # 0x7F7F (the largest finite bf16), inf stays 0x7F80 and NaN 0x7FC0 (`layouts.bf16_round_up_bits`)
+            up = (amax >> 16) + ((amax & 0xFFFF) != 0).to(tl.int32)
+            up = tl.where(amax < 0x7F800000, tl.minimum(up, 0x7F7F), up)  # [BLOCK_N, NB] in [0, 0x7FC0]
+            scale = (up << 16).to(tl.float32, bitcast=True)
+            stored = up.to(tl.int16)
+        else:
+            tl.static_assert(scale_ptr.dtype.element_ty == tl.float32,
+                             "block scales must be float32, or bfloat16 passed as t.view(torch.int16)")
+            scale = amax.to(tl.float32, bitcast=True)  # [BLOCK_N, NB]
+            stored = scale
         ok = (scale > 0.0) & (scale <= 3.4028234663852886e38)  # finite and > 0 (NaN fails both)
         safe = tl.where(ok, scale, 1.0)
         # INT8: y = x * (127 / scale); UINT4: u = x * (16 / scale); UINT8_SQRT, INT4: x * (1 / scale).
@@ -636,8 +655,8 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
         y = tl.where(_broadcast_blocks(ok, BLOCK_N, BLOCK_K), x, 0.0) * _broadcast_blocks(inv, BLOCK_N, BLOCK_K)
         if LAYOUT == 2:
             tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT8 state must be int8")
-            # |y| <= 127 * (1 + 2**-24)**2 < 127.5, so the rounded code needs no clamp
-            codes = _round_half_up(y).to(tl.int32).to(tl.int8)
+            # |y| <= 127 * (1 + 2**-24)**2 < 127.5 (and < 127.5 for a saturated bf16 scale); the clamp guards
+            codes = tl.minimum(tl.maximum(_round_half_up(y).to(tl.int32), -127), 127).to(tl.int8)
             tl.store(ptr + offs, codes, mask=mask)
         elif LAYOUT == 3:
             tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT8_SQRT state must be uint8")
@@ -649,10 +668,12 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
         else:
             tl.static_assert(LAYOUT == 5, "unknown state layout")
             tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT4 state must be uint8 bytes")
-            # u in [0, 16 (1 + 2**-23)**2]: the nearest of 1..16 (ties up), minus 1
-            _store_pairs(ptr, tl.maximum(_round_half_up(y).to(tl.int32), 1) - 1, offs, mask, BLOCK_N, BLOCK_K)
+            # u in [0, 16 (1 + 2**-23)**2] (below 16.07 for a saturated bf16 scale): the nearest of 1..16
+            # (ties up), minus 1; the upper clamp guards
+            q = tl.minimum(tl.maximum(_round_half_up(y).to(tl.int32), 1), 16) - 1
+            _store_pairs(ptr, q, offs, mask, BLOCK_N, BLOCK_K)
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
-        tl.store(scale_ptr + scale_offs, scale, mask=bmask)
+        tl.store(scale_ptr + scale_offs, stored, mask=bmask)
 
 
 # ----------------------------------------------------------------------------

@@ -86,9 +86,12 @@ def bound(layout: StateLayout, ref: torch.Tensor, stored_scale_of: torch.Tensor,
     """Per-element bound on |stored − exact| for one rounding into `layout`.
 
     ref: the exact (float64) values; stored_scale_of: the tensor whose 64-element block maxima are the
-    stored int8 scales (the kernel's dequantized result for INT8 / UINT8_SQRT; unused otherwise).
-    scale: the stored block scales `[rows, n_blocks]` themselves, which the 4-bit layouts need (INT4's
-    map has no -1, so a dequantized block's maximum is not its scale).
+    stored int8 scales (the kernel's dequantized result for INT8 / UINT8_SQRT; unused otherwise, and where
+    `scale` is given).
+    scale: the stored block scales `[rows, n_blocks]` themselves (float32 or bfloat16), which the 4-bit
+    layouts need (INT4's map has no -1, so a dequantized block's maximum is not its scale); the 8-bit
+    layouts read them too where given. A bf16 scale is the block maximum rounded up, by a factor of at
+    most 1 + 2**-7 (1 + 2**-8 on average): the bounds, relative to the stored scale, grow by that much.
     """
     # fp32 arithmetic: relative to the element, plus a floor relative to the tensor (dW elements that
     # cancel over the T tokens carry an absolute error of about sqrt(T)·u·max|dW|).
@@ -101,13 +104,20 @@ def bound(layout: StateLayout, ref: torch.Tensor, stored_scale_of: torch.Tensor,
         if scale is None:
             raise ValueError(f"bound of {layout.name} state needs its stored block scales (scale=...)")
         return _four_bit_bound(layout, ref, scale) + 2 * slack
-    scale = block_scale(stored_scale_of)
+    scale = block_scale(stored_scale_of) if scale is None else _per_element(scale, ref)
     if layout == StateLayout.INT8:
         return scale / 254 * (1 + 1e-5) + slack
     # UINT8_SQRT: half the gap between the codes around x, plus scale / (4 * 255**2)
     u = torch.sqrt(ref.clamp_min(0) / scale.clamp_min(1e-30)) * 255
     gap = scale * ((u.floor() + 1) ** 2 - u.floor() ** 2) / 255**2
     return 0.5 * gap + scale / (4 * 255**2) * (1 + 1e-5) + slack
+
+
+def _per_element(scale: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Block scales `[rows, n_blocks]` → float64 per element of `ref` (on ref's device)."""
+    rows, cols = as_rows(ref).shape
+    s = scale.to(device=ref.device, dtype=torch.float64).repeat_interleave(64, dim=1)[:, :cols]
+    return s.reshape(ref.shape)
 
 
 def _four_bit_bound(layout: StateLayout, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
