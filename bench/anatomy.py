@@ -97,10 +97,11 @@ def adamw_persistent_ws(X, DY, W, STATES, HOST, seed, T, N, K, UPDATE: tl.conste
                 b_x = b_x.to(tl.float32)
             acc = tl.dot(tl.trans(b_dy), b_x, acc)
         offs, mask = tile_offsets(offs_n, offs_k, N, K)
-        # bf16 state (layout 1): no block scales, so the storage and `offs` stand in for the unread scales
-        r_w, raws, scales = load_tile(W, STATES, STATES, offs, mask, offs, True, (1, 1), BLOCK_N, BLOCK_K)
+        # bf16 state (layout 1): no block scales, so the storage and `offs` stand in for the unread scales, and no
+        # 4-bit codes (NIBBLE_WORDS False)
+        r_w, raws, scales = load_tile(W, STATES, STATES, offs, mask, offs, True, (1, 1), False, BLOCK_N, BLOCK_K)
         apply_tile(W, STATES, STATES, HOST, acc, r_w, raws, scales, offs, mask, offs, seed, UPDATE, True, True,
-                   (1, 1), BLOCK_N, BLOCK_K)
+                   (1, 1), False, BLOCK_N, BLOCK_K)
 
 
 def graph_ms(fn) -> float:

@@ -7,9 +7,12 @@ Without a GPU the kernels run in the Triton interpreter (tests/conftest.py); wit
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +26,11 @@ import triton.language as tl  # noqa: E402
 import forge_dsl  # noqa: E402
 from forge_dsl import ForgeOptimizer, kernels  # noqa: E402
 from forge_dsl import layouts as L  # noqa: E402
+from forge_dsl.kernels import launches  # noqa: E402
 from forge_dsl.kernels import triton_lib as TL  # noqa: E402
+from forge_dsl.kernels.checks import bind_states  # noqa: E402
+from forge_dsl.kernels.launch import ParamUpdate  # noqa: E402
+from forge_dsl.kernels.launches import nibble_words  # noqa: E402
 from forge_dsl.layouts import StateLayout  # noqa: E402
 from forge_dsl.testing import as_float64_state, bound, layout_code  # noqa: E402
 
@@ -239,27 +246,39 @@ def test_resolve_layout_and_layout_of():
 
 
 @triton.jit
-def _store_kernel(src, q, scale, n_rows, n_cols, n_blocks, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+def _store_kernel(src, q, scale, n_rows, n_cols, n_blocks, LAYOUT: tl.constexpr, WORDS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * BLOCK_K
     offs, mask = TL.tile_offsets(offs_n, k_start + tl.arange(0, BLOCK_K), n_rows, n_cols)
     scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
     x = tl.load(src + offs, mask=mask, other=0.0)
-    TL.store_state(q, scale, x, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
+    TL.store_state(q, scale, x, offs, mask, scale_offs, LAYOUT, WORDS, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _update_kernel(q, scale, out, n_rows, n_cols, n_blocks, mult, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+def _update_kernel(q, scale, out, n_rows, n_cols, n_blocks, mult, LAYOUT: tl.constexpr, WORDS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out = the decoded tile; then the state becomes decoded * mult (in place: an optimizer step's shape)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * BLOCK_K
     offs, mask = TL.tile_offsets(offs_n, k_start + tl.arange(0, BLOCK_K), n_rows, n_cols)
     scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
-    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
+    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, WORDS, BLOCK_N, BLOCK_K)
     tl.store(out + offs, x, mask=mask)
-    TL.store_state(q, scale, x * mult, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
+    TL.store_state(q, scale, x * mult, offs, mask, scale_offs, LAYOUT, WORDS, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _code_kernel(y, q, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(q + offs, TL._int4_code(tl.load(y + offs)))
+
+
+@triton.jit
+def _value_kernel(q, v, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(v + offs, TL._int4_value(tl.load(q + offs)))
 
 
 PAD = 64  # sentinel bytes / scales past the real tensors: catch out-of-bounds stores
@@ -274,15 +293,15 @@ def _scale_bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
 
 
-def _run_store(x, layout, block, scale_dtype=torch.float32):
+def _run_store(x, layout, block, scale_dtype=torch.float32, words=False):
     rows, cols = x.shape
     nb = L.n_blocks(cols)
     qbuf = torch.full((rows * cols // 2 + PAD,), 0x55, dtype=L.storage_dtype(layout), device=DEVICE)
     sbuf = torch.full((rows * nb + PAD,), -7.0, dtype=scale_dtype, device=DEVICE)
     bn, bk = block
     _store_kernel[(triton.cdiv(rows, bn), triton.cdiv(cols, bk))](
-        x.to(DEVICE).contiguous(), qbuf, _scale_arg(sbuf), rows, cols, nb, LAYOUT=int(layout), BLOCK_N=bn,
-        BLOCK_K=bk)
+        x.to(DEVICE).contiguous(), qbuf, _scale_arg(sbuf), rows, cols, nb, LAYOUT=int(layout), WORDS=words,
+        BLOCK_N=bn, BLOCK_K=bk)
     qbuf, sbuf = qbuf.cpu(), sbuf.cpu()
     assert (qbuf[rows * cols // 2:] == 0x55).all() and (sbuf[rows * nb:] == -7.0).all(), "stored past the end"
     return qbuf[: rows * cols // 2].reshape(rows, cols // 2), sbuf[: rows * nb].reshape(rows, nb)
@@ -311,13 +330,19 @@ def _edge_values(layout) -> torch.Tensor:
     return torch.stack(rows)
 
 
+# (shape, tile, NIBBLE_WORDS): a word of 8 codes at a time where the columns are a multiple of 8, else a byte
+STORE_CASES = [((19, 200), (8, 128), True), ((19, 200), (8, 128), False), ((5, 128), (4, 64), True),
+               ((6, 136), (2, 256), True), ((7, 130), (4, 128), False), ((3, 202), (2, 256), False)]
+
+
 @pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", FOUR, ids=lambda l: l.name)
-@pytest.mark.parametrize("shape,block", [((19, 200), (8, 128)), ((5, 128), (4, 64)), ((6, 136), (2, 256))])
-def test_store_state_matches_quantize_bit_for_bit(layout, shape, block, scale_dtype):
-    """`store_state` writes the bytes and scales `layouts.quantize` computes: random rows (ragged last blocks and
-    tiles, rows past the tensor masked), threshold edges, NaN / inf / -0 / tiny-scale blocks; nothing written
-    past the tensors."""
+@pytest.mark.parametrize("shape,block,words", STORE_CASES,
+                         ids=lambda c: "words" if c is True else ("bytes" if c is False else None))
+def test_store_state_matches_quantize_bit_for_bit(layout, shape, block, words, scale_dtype):
+    """`store_state` writes the bytes and scales `layouts.quantize` computes, a 32-bit word of 8 codes or a byte of
+    2 at a time (NIBBLE_WORDS): random rows (ragged last blocks and tiles, rows past the tensor masked), threshold
+    edges, NaN / inf / -0 / tiny-scale blocks; nothing written past the tensors."""
     gen = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
     rows, cols = shape
     x = (_signed if layout == StateLayout.INT4 else _nonneg)(rows, cols, gen)
@@ -327,7 +352,7 @@ def test_store_state_matches_quantize_bit_for_bit(layout, shape, block, scale_dt
     if cols >= 128:
         n = min(rows, edges.shape[0])
         x[-n:, :128] = edges[-n:]
-    q, s = _run_store(x, layout, block, scale_dtype)
+    q, s = _run_store(x, layout, block, scale_dtype, words)
     ref_q, ref_s = L.quantize(x, layout, scale_dtype=scale_dtype)
     assert s.dtype == ref_s.dtype == scale_dtype
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
@@ -338,11 +363,13 @@ def test_store_state_matches_quantize_bit_for_bit(layout, shape, block, scale_dt
 
 @pytest.mark.parametrize("scale_dtype", L.SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", FOUR, ids=lambda l: l.name)
-def test_load_and_update_match_torch_bit_for_bit(layout, scale_dtype):
+@pytest.mark.parametrize("cols,words", [(200, True), (200, False), (202, False)], ids=["200-words", "200-bytes",
+                                                                                       "202-bytes"])
+def test_load_and_update_match_torch_bit_for_bit(layout, cols, words, scale_dtype):
     """`load_state` decodes what `dequantize` does (NaN blocks as NaN), and a load → × 0.75 → store in place
-    writes `quantize(dequantize(...) * 0.75)`."""
+    writes `quantize(dequantize(...) * 0.75)`: by words of 8 codes and by bytes of 2 (NIBBLE_WORDS)."""
     gen = torch.Generator().manual_seed(3)
-    rows, cols = 11, 200
+    rows = 11
     x = (_signed if layout == StateLayout.INT4 else _nonneg)(rows, cols, gen)
     x[-5:, :128] = _edge_values(layout)
     q, s = L.quantize(x, layout, scale_dtype=scale_dtype)
@@ -350,7 +377,8 @@ def test_load_and_update_match_torch_bit_for_bit(layout, scale_dtype):
     out = torch.full((rows, cols), 777.0, device=DEVICE)
     bn, bk = 8, 128
     _update_kernel[(triton.cdiv(rows, bn), triton.cdiv(cols, bk))](
-        qd, _scale_arg(sd), out, rows, cols, L.n_blocks(cols), 0.75, LAYOUT=int(layout), BLOCK_N=bn, BLOCK_K=bk)
+        qd, _scale_arg(sd), out, rows, cols, L.n_blocks(cols), 0.75, LAYOUT=int(layout), WORDS=words, BLOCK_N=bn,
+        BLOCK_K=bk)
     want = L.dequantize(q, s, layout)
     got = out.cpu()
     nan = torch.isnan(want)
@@ -359,6 +387,89 @@ def test_load_and_update_match_torch_bit_for_bit(layout, scale_dtype):
     ref_q, ref_s = L.quantize(want * 0.75, layout, scale_dtype=scale_dtype)
     assert torch.equal(qd.cpu().view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(_scale_bits(sd.cpu()), _scale_bits(ref_s))
+
+
+def _as_f32(bits: torch.Tensor) -> torch.Tensor:
+    """int64 bit patterns in [0, 2**32) → fp32."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def test_int4_code_and_value_are_the_comparisons_and_the_map():
+    """`_int4_code` (a binary search on the magnitude's bits) counts what the 15 comparisons `y >= mu_k` count, for
+    every threshold and the 4 fp32 values on either side of it (both signs), ±0, ±inf, NaNs, ±1 and its
+    neighbours, denormals, and every 4099th fp32 bit pattern; `_int4_value` (a tree of selects on |q - 7|, the
+    sign ORed in) is `INT4_MAP` bit for bit, from uint8 and int32 codes. Both rest on the symmetries checked."""
+    th, mp = L.INT4_THRESHOLDS, L.INT4_MAP
+    assert torch.equal(th[:7].view(torch.int32), (-th[7:14].flip(0)).view(torch.int32))
+    assert torch.equal(mp[:7].view(torch.int32), (-mp[8:15].flip(0)).view(torch.int32)) and mp[15] == 1.0
+    edges = torch.cat([th, mp, torch.ones(1)]).view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    edges = (edges[:, None] + torch.arange(-4, 5)).reshape(-1)
+    special = torch.tensor([0, 1, 0x7FFFFF, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF])
+    bits = torch.cat([edges, special, torch.arange(0, 2**32, 4099)])
+    bits = torch.cat([bits, bits[: 2 * len(edges) + 2 * len(special)] ^ 0x80000000])  # the negatives
+    block = 2**16 if INTERPRET else 1024
+    y = _as_f32(torch.cat([bits, torch.zeros(-len(bits) % block, dtype=torch.int64)]))
+    q = torch.empty(len(y), dtype=torch.int32, device=DEVICE)
+    _code_kernel[(len(y) // block,)](y.to(DEVICE), q, BLOCK=block)
+    want = (y[:, None] >= th[None, :]).sum(1).to(torch.int32)
+    bad = (q.cpu() != want).nonzero()[:5, 0]
+    assert not len(bad), [(y[i].item(), q[i].item(), want[i].item()) for i in bad]
+    for dtype in (torch.uint8, torch.int32):
+        v = torch.empty(16, device=DEVICE)
+        _value_kernel[(1,)](torch.arange(16, dtype=dtype, device=DEVICE), v, BLOCK=16)
+        assert torch.equal(v.cpu().view(torch.int32), mp.view(torch.int32))
+
+
+def test_nibble_words_decides_by_columns_alignment_size_and_layout(probe, monkeypatch):
+    """`launches.nibble_words`: 4-bit state in words where the rows have a multiple of 8 columns and the storage
+    starts on a 4-byte boundary, row blocks (`StateArgs.rows`) at any first row included, and is small enough for
+    int32 word offsets; bytes otherwise; False without 4-bit state (int8), so that those launches compile one
+    kernel whatever the columns."""
+    for cols, words in ((200, True), (128, True), (202, False), (130, False)):
+        w = torch.zeros(9, cols, device=DEVICE)
+        states = bind_states(probe, ("m", "v"), forge_dsl.init_state(probe, w, layout="int4"), w)
+        assert nibble_words(cols, states) is words
+        assert all(nibble_words(cols, states.rows(r0, 9)) is words for r0 in range(9))
+    w = torch.zeros(9, 200, device=DEVICE)
+    state = forge_dsl.init_state(probe, w, layout="int4")
+    assert not nibble_words(200, bind_states(probe, ("m", "v"), forge_dsl.init_state(probe, w, layout="int8"), w))
+    for offset in (1, 2, 3):  # a contiguous view that starts off a word
+        buf = torch.zeros(state["m"].numel() + 4, dtype=torch.int8, device=DEVICE)
+        moved = {**state, "m": buf[offset:offset + state["m"].numel()].view(state["m"].shape)}
+        assert not nibble_words(200, bind_states(probe, ("m", "v"), moved, w))
+    states = bind_states(probe, ("m", "v"), state, w)
+    monkeypatch.setattr(launches, "NIBBLE_WORDS_MAX_BYTES", state["m"].numel())  # as if 8 GiB of codes
+    assert not nibble_words(200, states) and nibble_words(200, states.rows(1, 9))
+
+
+@pytest.mark.parametrize("cols", [200, 202], ids=["words", "bytes"])
+def test_row_blocks_and_unaligned_state_step_as_the_whole_does(probe, cols):
+    """Row blocks (`ParamUpdate.from_grad(rows=...)`: each block's state a view starting cols / 2 bytes per row in,
+    a word boundary for cols % 8 == 0) and state stored at an odd address (the byte path, `launches.nibble_words`)
+    write the bits one element-wise launch on the whole aligned parameter does (nearest rounding)."""
+    gen = torch.Generator().manual_seed(cols)
+    w = torch.randn(9, cols, generator=gen).to(DEVICE)
+    state = forge_dsl.init_state(probe, w, layout="int4")
+    for k in ("m", "v"):
+        state[k], state[f"{k}.scale"] = (t.to(DEVICE) for t in L.quantize(torch.randn(9, cols, generator=gen).abs(),
+                                                                         L.layout_of(state[k], w.shape)))
+    g = torch.randn(9, cols, generator=gen).to(DEVICE)
+    want_w, want = w.clone(), {k: v.clone() for k, v in state.items()}
+    kernels.step(probe, want_w, g, want, step=1, rounding="nearest")
+    blocks_w, blocks = w.clone(), {k: v.clone() for k, v in state.items()}
+    update = ParamUpdate(probe, blocks_w, blocks, step=1, rounding="nearest")
+    for r0, r1 in ((0, 3), (3, 4), (4, 9)):
+        update.from_grad(g[r0:r1], rows=r0)
+    update.commit()
+    moved_w, moved = w.clone(), {k: v.clone() for k, v in state.items()}
+    for k in ("m", "v"):
+        buf = torch.zeros(moved[k].numel() + 4, dtype=moved[k].dtype, device=DEVICE)
+        moved[k] = buf[1:1 + moved[k].numel()].view(moved[k].shape)
+        moved[k].copy_(state[k])
+    kernels.step(probe, moved_w, g, moved, step=1, rounding="nearest")
+    for got_w, got in ((blocks_w, blocks), (moved_w, moved)):
+        assert torch.equal(got_w, want_w)
+        _assert_state_bits(got, {k: v.cpu() for k, v in want.items()})
 
 
 # ---------------------------------------------------------------------------
@@ -422,6 +533,7 @@ def _assert_state_bits(state, want):
                            b.view(torch.uint8) if b.dtype != torch.float32 else b.view(torch.int32)), k
 
 
+# (130,): int4 codes a byte at a time (130 % 8 != 0, `launches.nibble_words`); the others a 32-bit word
 @pytest.mark.parametrize("layout", ["int4", "int8"])
 @pytest.mark.parametrize("shape,scale_dtype", [((9, 200), torch.bfloat16), ((130,), torch.bfloat16),
                                                ((2, 3, 128), torch.bfloat16), ((9, 200), torch.float32)])
@@ -446,18 +558,19 @@ def test_elementwise_step_with_int4_state_is_bit_exact(probe, shape, scale_dtype
 
 
 @pytest.mark.parametrize("layout", ["int4", "int8"])
-@pytest.mark.parametrize("config,scale_dtype", [(None, torch.bfloat16), ("halves", torch.bfloat16),
-                                                (None, torch.float32)])
-def test_fused_step_with_int4_state_is_bit_exact(probe, config, scale_dtype, layout):
+@pytest.mark.parametrize("config,scale_dtype,k", [(None, torch.bfloat16, 200), ("halves", torch.bfloat16, 200),
+                                                  (None, torch.float32, 200), (None, torch.bfloat16, 202)])
+def test_fused_step_with_int4_state_is_bit_exact(probe, config, scale_dtype, k, layout):
     """The fused kernel (dW in its registers) stores the int4 state of its own dW: the stored bytes are
     `quantize` of that dW (read back from m's twin, an fp32 copy of the same spec), bit for bit, and the weight
     moves by the decoded old states: bit-exact in the interpreter; compiled with fp fusion, where the decode's
-    multiply and the spec's add may contract into one FMA, within 1 fp32 ulp of torch's."""
+    multiply and the spec's add may contract into one FMA, within 1 fp32 ulp of torch's. 200 columns: int4 codes
+    a 32-bit word at a time; 202: a byte (`launches.nibble_words`)."""
     from forge_dsl.testing import HALVES_CONFIG
 
     cfg = HALVES_CONFIG if config == "halves" else None
     gen = torch.Generator().manual_seed(5)
-    n, k, t = 72, 200, 40
+    n, t = 72, 40
     w = torch.randn(n, k, generator=gen).to(DEVICE)
     w_fp32 = w.clone()
     state = forge_dsl.init_state(probe, w, layout=layout)
@@ -526,6 +639,39 @@ def test_foreach_step_with_int4_state_matches_separate_steps(probe):
     for a, b, sa, sb in zip(params, solo, states, solo_states):
         assert torch.equal(a, b)
         _assert_state_bits(sa, {k: v.cpu() for k, v in sb.items()})
+
+
+_SM90_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+# The compiler needs real @triton.jit functions: compile in a process without the interpreter.
+_SM90_SCRIPT = """
+import json, sys
+from dataclasses import asdict
+from forge_dsl.kernels.policy import TileConfig
+from forge_dsl.kernels.sm90 import compile_fused
+print(json.dumps([asdict(compile_fused("adamw", "int4", TileConfig.parse(c) if c else None, 2048, "bf16", cols))
+                  for c, cols in json.loads(sys.argv[1])]))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(_SM90_BIN), reason="this Triton has no bundled NVIDIA tools")
+def test_int4_state_is_accessed_in_words_on_sm90():
+    """AdamW's fused kernel with int4 state compiled for sm_90 (`forge_dsl.kernels.sm90`, no GPU needed) reads and
+    writes the codes a 32-bit word (8 codes) at a time, not a byte, for K = 4096: the default kernel (the
+    warp-specialized one where this Triton has Gluon, whose epilogue then no longer spills beyond the 96 B
+    allowed under a register cap in tests/test_sm90.py: it spilled 192-224 B with byte access) and the Triton
+    kernel's int8-state tiles; K = 4100 (K % 8 != 0) keeps the bytes."""
+    cases = [(None, 4096), ("64,128,64,8,4,0,1,maxnreg=128", 4096), ("64,128,64,8,4,0,0,maxnreg=128", 4100)]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    out = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps(cases)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    default, tiles, odd = json.loads(out.stdout.strip().splitlines()[-1])
+    for res in (default, tiles):
+        ops = res["memory_ops"]
+        assert ops.get("ld.global.b32", 0) > 0 and ops.get("st.global.b32", 0) > 0, res
+        assert not any(".b8" in op for op in ops), res
+    assert default["stack_bytes"] <= 96, default
+    assert odd["memory_ops"].get("ld.global.b8", 0) > 0 and odd["memory_ops"].get("st.global.b8", 0) > 0, odd
 
 
 # ---------------------------------------------------------------------------

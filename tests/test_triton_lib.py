@@ -62,7 +62,8 @@ def _state_store_kernel(src, q, scale, n_rows, n_cols, n_blocks,
     offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
     scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
     x = tl.load(src + offs, mask=mask, other=0.0)
-    TL.store_state(q, scale, x, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
+    # NIBBLE_WORDS False: read only by the 4-bit layouts (tests/test_int4.py)
+    TL.store_state(q, scale, x, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -73,7 +74,7 @@ def _state_load_kernel(q, scale, out, n_rows, n_cols, n_blocks,
     offs_k = k_start + tl.arange(0, BLOCK_K)
     offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
     scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
-    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
+    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
     tl.store(out + offs, x, mask=mask)
 
 
@@ -86,8 +87,8 @@ def _state_update_kernel(q, scale, n_rows, n_cols, n_blocks, mult,
     offs_k = k_start + tl.arange(0, BLOCK_K)
     offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
     scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
-    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
-    TL.store_state(q, scale, x * mult, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
+    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
+    TL.store_state(q, scale, x * mult, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
 
 
 # ---------------------------------------------------------------------------

@@ -271,23 +271,24 @@ def ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N: tl.constexpr, BK
 
 @gluon_jit
 def ws_row_slice(W, STATES, SCALES, HOST, b_grad, n_start, k_start, N, K, n_blocks, seed, UPDATE: tl.constexpr,
-                 W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr, SLICE_N: tl.constexpr,
-                 BK: tl.constexpr, WARPS: tl.constexpr):
+                 W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr, NIBBLE_WORDS: tl.constexpr,
+                 SLICE_N: tl.constexpr, BK: tl.constexpr, WARPS: tl.constexpr):
     """The update of rows n_start + [0, SLICE_N), columns k_start + [0, BK) from their dW b_grad [SLICE_N, BK]
     fp32 (in `epilogue_layout(WARPS)`): load the weights and states, update, store. For either partition of
     `fused_ws` that updates a row slice without prefetching it."""
     offs, mask, scale_offs = ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N, BK, WARPS)
-    r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, SLICE_N, BK)
+    r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, NIBBLE_WORDS,
+                                      SLICE_N, BK)
     apply_tile(W, STATES, SCALES, HOST, b_grad, r_param, raws, scales, offs, mask, scale_offs, seed, UPDATE, W_BF16,
-               STOCHASTIC, LAYOUTS, SLICE_N, BK)
+               STOCHASTIC, LAYOUTS, NIBBLE_WORDS, SLICE_N, BK)
 
 
 @gluon_jit
 def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL,
                 UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
-                NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr,
-                EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr, MMA_SLICES: tl.constexpr,
-                TIMELINE: tl.constexpr):
+                NIBBLE_WORDS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr,
+                SLICE_N: tl.constexpr, EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr,
+                MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr):
     """The epilogue partition of `fused_ws`: for each of this program's tiles, wait for its dW in acc_smem
     [BN, BK], then update its weights and states a [SLICE_N, BK] row slice at a time (all but the last
     MMA_SLICES, which `ws_mma` updates). PREFETCH: each slice's loads go out before the update of the slice
@@ -303,8 +304,8 @@ def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N
         n_start, k_start = ws_tile_start(tile, N, K, BN, BK, GROUP_N)
         if PREFETCH:
             offs, mask, scale_offs = ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N, BK, EPILOGUE_WARPS)
-            r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, SLICE_N,
-                                              BK)
+            r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS,
+                                              NIBBLE_WORDS, SLICE_N, BK)
         ws_stamp_clock(TL, j, 5, TIMELINE)
         mbarrier.wait(acc_ready, j & 1)
         ws_stamp_clock(TL, j, 6, TIMELINE)
@@ -312,15 +313,16 @@ def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N
             acc = ws_read_slice(acc_smem, acc_empty, r, SLICES - 1, SLICE_N, EPILOGUE_WARPS)  # [SLICE_N, BK] fp32
             if not PREFETCH:
                 ws_row_slice(W, STATES, SCALES, HOST, acc, n_start + r * SLICE_N, k_start, N, K, n_blocks, seed,
-                             UPDATE, W_BF16, STOCHASTIC, LAYOUTS, SLICE_N, BK, EPILOGUE_WARPS)
+                             UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, SLICE_N, BK, EPILOGUE_WARPS)
             else:
                 if r + 1 < SLICES:  # the next slice's loads, before this slice's update
                     next_offs, next_mask, next_scale_offs = ws_slice_offsets(
                         n_start + (r + 1) * SLICE_N, k_start, N, K, n_blocks, SLICE_N, BK, EPILOGUE_WARPS)
                     next_r_param, next_raws, next_scales = load_tile(
-                        W, STATES, SCALES, next_offs, next_mask, next_scale_offs, W_BF16, LAYOUTS, SLICE_N, BK)
+                        W, STATES, SCALES, next_offs, next_mask, next_scale_offs, W_BF16, LAYOUTS, NIBBLE_WORDS,
+                        SLICE_N, BK)
                 apply_tile(W, STATES, SCALES, HOST, acc, r_param, raws, scales, offs, mask, scale_offs, seed, UPDATE,
-                           W_BF16, STOCHASTIC, LAYOUTS, SLICE_N, BK)
+                           W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, SLICE_N, BK)
                 if r + 1 < SLICES:
                     offs, mask, scale_offs = next_offs, next_mask, next_scale_offs
                     r_param, raws, scales = next_r_param, next_raws, next_scales
@@ -332,8 +334,8 @@ def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N
 @gluon_jit
 def ws_mma(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST, seed,
            N, K, n_blocks, TL, UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-           LAYOUTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, SLICE_N: tl.constexpr,
-           MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr):
+           LAYOUTS: tl.constexpr, NIBBLE_WORDS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr,
+           SLICE_N: tl.constexpr, MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr):
     """The mma partition of `fused_ws`: for each of this program's tiles, dW [BN, BK] by wgmma into acc_smem
     (`ws_accumulate`, `ws_hand_over`); then, while the epilogue updates the tile's other row slices, the last
     MMA_SLICES [SLICE_N, BK] ones here, before the next tile's token loop (worth it where that loop is shorter
@@ -356,15 +358,15 @@ def ws_mma(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty,
         for r in tl.static_range(SLICES - MMA_SLICES, SLICES):
             b_grad = ws_read_slice(acc_smem, acc_empty, r, SLICES - 1, SLICE_N, WARPS)  # [SLICE_N, BK] fp32
             ws_row_slice(W, STATES, SCALES, HOST, b_grad, n_start + r * SLICE_N, k_start, N, K, n_blocks, seed,
-                         UPDATE, W_BF16, STOCHASTIC, LAYOUTS, SLICE_N, BK, WARPS)
+                         UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, SLICE_N, BK, WARPS)
         j += 1
 
 
 @gluon_jit(do_not_specialize=["seed", "T"])
 def fused_ws(X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks, TL,
               UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
-              NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, STAGES: tl.constexpr, SLICE_N: tl.constexpr,
-              EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr, MMA_WARPS: tl.constexpr,
+              NIBBLE_WORDS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, STAGES: tl.constexpr,
+              SLICE_N: tl.constexpr, EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr, MMA_WARPS: tl.constexpr,
               MMA_REGISTERS: tl.constexpr, MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr):
     """`tile_kernels.fused` warp-specialized (Hopper, Gluon): NUM_PROGRAMS persistent programs, each a TMA
     loader warp (`ws_loader`), MMA_WARPS warps of `ws_mma` accumulating one tile's dW = DY[T, N]ᵀ · X[T, K]
@@ -375,12 +377,12 @@ def fused_ws(X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks, TL,
     x_bufs, dy_bufs, acc_smem, ready, empty, acc_ready, acc_empty = ws_allocate(X, DY, STAGES, MMA_SLICES)
     gl.warp_specialize([
         (ws_epilogue, (W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL, UPDATE,
-                       W_BF16, STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N, EPILOGUE_WARPS, PREFETCH,
-                       MMA_SLICES, TIMELINE)),
+                       W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, NUM_PROGRAMS, GROUP_N, SLICE_N, EPILOGUE_WARPS,
+                       PREFETCH, MMA_SLICES, TIMELINE)),
         (ws_loader, (X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, TL, NUM_PROGRAMS, GROUP_N, TIMELINE)),
         (ws_mma, (X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST,
-                  seed, N, K, n_blocks, TL, UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NUM_PROGRAMS, GROUP_N, SLICE_N,
-                  MMA_SLICES, TIMELINE)),
+                  seed, N, K, n_blocks, TL, UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, NUM_PROGRAMS, GROUP_N,
+                  SLICE_N, MMA_SLICES, TIMELINE)),
     ], [1, MMA_WARPS], [24, MMA_REGISTERS])
 
 

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..config import check_seed
-from ..layouts import as_rows, n_blocks
+from ..layouts import FOUR_BIT_LAYOUTS, as_rows, n_blocks
 from .checks import StateArgs, tma_compatible, weight_view
 from .policy import TileConfig, interpreting, step_config
 
@@ -61,28 +61,32 @@ def launch_fused(cfg: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, w_view: t
         x_arg, dy_arg, w_view, states.storage, states.scales, exports,
         key, T, N, K, n_blocks(K),
         x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
-        **fused_constexprs(cfg, update, w_bf16, rounding_code(rounding, K), states.layouts, dot_fp32, precision, tma),
+        **fused_constexprs(cfg, update, w_bf16, rounding_code(rounding, K), states.layouts, nibble_words(K, states),
+                           dot_fp32, precision, tma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return None
 
 
-def fused_constexprs(cfg: TileConfig, update, w_bf16: bool, stochastic: int, layouts: tuple[int, ...],
+def fused_constexprs(cfg: TileConfig, update, w_bf16: bool, stochastic: int, layouts: tuple[int, ...], words: bool,
                      dot_fp32: bool, precision: Optional[str], tma: bool) -> dict:
-    """`tile_kernels.fused`'s constexpr arguments for `cfg` (its launches and `sm90.compile_fused` alike)."""
-    return dict(UPDATE=update, W_BF16=w_bf16, STOCHASTIC=stochastic, LAYOUTS=layouts, DOT_FP32=dot_fp32,
-                INPUT_PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                GROUP_N=cfg.group_n, K_HALVES=cfg.k_halves, EPILOGUE_SPLIT=cfg.epilogue_split, TMA=tma)
+    """`tile_kernels.fused`'s constexpr arguments for `cfg` (its launches and `sm90.compile_fused` alike); `words`
+    is `nibble_words`'."""
+    return dict(UPDATE=update, W_BF16=w_bf16, STOCHASTIC=stochastic, LAYOUTS=layouts, NIBBLE_WORDS=words,
+                DOT_FP32=dot_fp32, INPUT_PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n, K_HALVES=cfg.k_halves, EPILOGUE_SPLIT=cfg.epilogue_split,
+                TMA=tma)
 
 
-def ws_constexprs(cfg: TileConfig, update, w_bf16: bool, stochastic: int, layouts: tuple[int, ...],
+def ws_constexprs(cfg: TileConfig, update, w_bf16: bool, stochastic: int, layouts: tuple[int, ...], words: bool,
                   programs: int, timeline_tiles: int = 0) -> dict:
     """`gluon_lib.fused_ws`'s constexpr arguments for `cfg` and `programs` persistent programs (recording a
-    timeline of `timeline_tiles` tiles per program where that is > 0)."""
-    return dict(UPDATE=update, W_BF16=w_bf16, STOCHASTIC=stochastic, LAYOUTS=layouts, NUM_PROGRAMS=programs,
-                GROUP_N=cfg.group_n, STAGES=cfg.num_stages, SLICE_N=cfg.block_n // cfg.epilogue_split,
-                EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch, MMA_WARPS=cfg.mma_warps,
-                MMA_REGISTERS=cfg.mma_registers, MMA_SLICES=cfg.mma_slices, TIMELINE=timeline_tiles)
+    timeline of `timeline_tiles` tiles per program where that is > 0); `words` is `nibble_words`'."""
+    return dict(UPDATE=update, W_BF16=w_bf16, STOCHASTIC=stochastic, LAYOUTS=layouts, NIBBLE_WORDS=words,
+                NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages,
+                SLICE_N=cfg.block_n // cfg.epilogue_split, EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
+                MMA_WARPS=cfg.mma_warps, MMA_REGISTERS=cfg.mma_registers, MMA_SLICES=cfg.mma_slices,
+                TIMELINE=timeline_tiles)
 
 
 def launch_warp_specialized(cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, states: StateArgs, update,
@@ -103,8 +107,8 @@ def launch_warp_specialized(cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, stat
         raise ValueError(f"timeline must have one row per program ({programs}), got shape {tuple(timeline.shape)}")
     args = (x_desc, dy_desc, w_view, states.storage, states.scales, exports, seed, T, N, K, n_blocks(K),
             w_view if timeline is None else timeline)
-    kwargs = ws_constexprs(cfg, update, w_bf16, rounding_code(rounding, K), states.layouts, programs,
-                           0 if timeline is None else timeline.shape[1])
+    kwargs = ws_constexprs(cfg, update, w_bf16, rounding_code(rounding, K), states.layouts, nibble_words(K, states),
+                           programs, 0 if timeline is None else timeline.shape[1])
     compiled = gluon_lib.fused_ws[(programs,)](*args, **kwargs, num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg)
     return compiled, args, kwargs, programs
 
@@ -125,7 +129,8 @@ def launch_elementwise(update, param: torch.Tensor, grad: torch.Tensor, states: 
             p_view, g_view, states.storage, states.scales, exports,
             key, rows, cols, n_blocks(cols),
             UPDATE=update, W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding_code(rounding, cols),
-            LAYOUTS=states.layouts, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+            LAYOUTS=states.layouts, NIBBLE_WORDS=nibble_words(cols, states), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps,
         )
 
 
@@ -137,6 +142,22 @@ def rounding_code(rounding: str, n_cols: int) -> int:
     if rounding == "nearest":
         return 0
     return 2 if n_cols % 2 == 0 else 1
+
+
+NIBBLE_WORDS_MAX_BYTES = 2**33  # 4-bit storage this large or larger is accessed by bytes: int32 word offsets
+
+
+def nibble_words(n_cols: int, states: StateArgs) -> bool:
+    """`triton_lib`'s NIBBLE_WORDS for a launch on rows of `n_cols` columns: whether its 4-bit states are read and
+    written a 32-bit word (8 codes) at a time. That needs every row of their packed storage to start on a word:
+    `n_cols` a multiple of 8 (a row is n_cols / 2 bytes) and each 4-bit storage tensor starting on a 4-byte
+    boundary (torch's allocations do; a view, e.g. `StateArgs.rows`' blocks, starts n_cols / 2 bytes times its
+    first row past one); and word offsets that fit int32 (under `NIBBLE_WORDS_MAX_BYTES` each, 17 billion
+    elements). Elsewhere the bytes, and False without 4-bit state, so that those launches compile one kernel
+    whatever `n_cols`."""
+    four = [t for t, code in zip(states.storage, states.layouts) if code in FOUR_BIT_LAYOUTS]
+    return bool(four) and n_cols % 8 == 0 and all(
+        t.data_ptr() % 4 == 0 and t.numel() < NIBBLE_WORDS_MAX_BYTES for t in four)
 
 
 def triton_cdiv(a: int, b: int) -> int:

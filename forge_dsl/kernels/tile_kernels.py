@@ -20,7 +20,9 @@ of its `STATES` tuple), `h` the variant's host scalars (what its `host_v<i>` ret
     SCALES  a tuple of each state's block scales [N, K / 64] fp32 (int8 / uint8; the storage itself,
             never read, otherwise),
     HOST    the tuple of host scalars, handed to `UPDATE` as `h`,
-    LAYOUTS a constexpr tuple of each state's layout code (`forge_dsl.layouts.StateLayout`),
+    LAYOUTS a constexpr tuple of each state's layout code (`forge_dsl.layouts.StateLayout`), beside
+            NIBBLE_WORDS, a constexpr: whether 4-bit states are read and written a 32-bit word (8 codes)
+            at a time (`launches.nibble_words`),
 
 and the weight as fp32, or bf16 as its int16 view (`W_BF16`). Every tuple may be empty (SGD).
 """
@@ -38,14 +40,15 @@ __all__ = ["apply_tile", "fused", "load_tile", "step", "update_slice"]
 
 @triton.jit
 def load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16: tl.constexpr, LAYOUTS: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Issue the loads of one [BLOCK_N, BLOCK_K] tile's weights and states, in storage types:
     (weight tile, tuple of state tiles, tuple of their scales; `triton_lib.load_state_raw`)."""
     r_param = load_weight_raw(W, offs, mask, W_BF16)  # [BN, BK]
     raws = ()
     scales = ()
     for i in tl.static_range(len(STATES)):
-        raw, scale = load_state_raw(STATES[i], SCALES[i], offs, mask, scale_offs, LAYOUTS[i], BLOCK_N, BLOCK_K)
+        raw, scale = load_state_raw(STATES[i], SCALES[i], offs, mask, scale_offs, LAYOUTS[i], NIBBLE_WORDS, BLOCK_N,
+                                    BLOCK_K)
         raws = raws + (raw, )
         scales = scales + (scale, )
     return r_param, raws, scales
@@ -54,30 +57,32 @@ def load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16: tl.constexpr, L
 @triton.jit
 def apply_tile(W, STATES, SCALES, HOST, b_grad, r_param, raws, scales, offs, mask, scale_offs, seed,
                UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The epilogue of one tile: decode what `load_tile` loaded, update from b_grad [BN, BK] fp32 in registers,
     store the weights and states."""
     b_param = decode_weight(r_param, W_BF16)  # [BN, BK] fp32
     b_states = ()
     for i in tl.static_range(len(STATES)):
-        b_states = b_states + (decode_state(raws[i], scales[i], LAYOUTS[i], BLOCK_N, BLOCK_K), )
+        b_states = b_states + (decode_state(raws[i], scales[i], LAYOUTS[i], NIBBLE_WORDS, BLOCK_N, BLOCK_K), )
     b_param, b_states = UPDATE(b_param, b_grad, b_states, HOST)
     store_weight(W, b_param, offs, mask, seed, W_BF16, STOCHASTIC)
     for i in tl.static_range(len(STATES)):
-        store_state(STATES[i], SCALES[i], b_states[i], offs, mask, scale_offs, LAYOUTS[i], BLOCK_N, BLOCK_K)
+        store_state(STATES[i], SCALES[i], b_states[i], offs, mask, scale_offs, LAYOUTS[i], NIBBLE_WORDS, BLOCK_N,
+                    BLOCK_K)
 
 
 @triton.jit
 def update_slice(W, STATES, SCALES, HOST, acc, offs_n, k_start, N, K, n_blocks, seed, UPDATE: tl.constexpr,
-                 W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
+                 W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr, NIBBLE_WORDS: tl.constexpr,
                  BLOCK_N: tl.constexpr, SLICE_K: tl.constexpr):
     """The epilogue of one column slice of a tile: acc [BN, SLICE_K] is dW for columns k_start + [0, SLICE_K);
     load their weights and states, update, store."""
     offs, mask = tile_offsets(offs_n, k_start + tl.arange(0, SLICE_K), N, K)
     scale_offs = block_scale_offsets(offs_n, k_start, n_blocks, SLICE_K)  # [BN, SLICE_K // 64] (int8 state)
-    r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, BLOCK_N, SLICE_K)
+    r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, NIBBLE_WORDS,
+                                      BLOCK_N, SLICE_K)
     apply_tile(W, STATES, SCALES, HOST, acc, r_param, raws, scales, offs, mask, scale_offs, seed, UPDATE, W_BF16,
-               STOCHASTIC, LAYOUTS, BLOCK_N, SLICE_K)
+               STOCHASTIC, LAYOUTS, NIBBLE_WORDS, BLOCK_N, SLICE_K)
 
 
 @triton.jit(do_not_specialize=["seed", "T"])
@@ -85,7 +90,7 @@ def fused(
     X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks,
     stride_xt, stride_xk, stride_dyt, stride_dyn,
     UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    NIBBLE_WORDS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     K_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -106,8 +111,8 @@ def fused(
         offs, mask = tile_offsets(offs_n, offs_k, N, K)
         scale_offs = block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)  # [BN, BK // 64] (int8 state)
         # The tile's weights and state are loaded first, so their latency hides behind the token loop.
-        r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, BLOCK_N,
-                                          BLOCK_K)
+        r_param, raws, scales = load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, NIBBLE_WORDS,
+                                          BLOCK_N, BLOCK_K)
         # The token loop: the gradient tile lives only in these fp32 registers.
         acc = accumulate_dw(
             X, DY, n_start, k_start, T, N, K, stride_xt, stride_xk, stride_dyt, stride_dyn,
@@ -115,7 +120,7 @@ def fused(
         )  # [BN, BK]
         # The epilogue: the optimizer update straight from the accumulator.
         apply_tile(W, STATES, SCALES, HOST, acc, r_param, raws, scales, offs, mask, scale_offs, seed, UPDATE,
-                   W_BF16, STOCHASTIC, LAYOUTS, BLOCK_N, BLOCK_K)
+                   W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, BLOCK_N, BLOCK_K)
     else:
         SLICE_K: tl.constexpr = BLOCK_K // EPILOGUE_SPLIT
         if K_HALVES:
@@ -132,28 +137,28 @@ def fused(
         # The epilogue, one slice at a time: load, update, store.
         if EPILOGUE_SPLIT == 2:
             update_slice(W, STATES, SCALES, HOST, acc_a, offs_n, k_start, N, K, n_blocks, seed, UPDATE, W_BF16,
-                         STOCHASTIC, LAYOUTS, BLOCK_N, SLICE_K)
+                         STOCHASTIC, LAYOUTS, NIBBLE_WORDS, BLOCK_N, SLICE_K)
             update_slice(W, STATES, SCALES, HOST, acc_b, offs_n, k_start + SLICE_K, N, K, n_blocks, seed, UPDATE,
-                         W_BF16, STOCHASTIC, LAYOUTS, BLOCK_N, SLICE_K)
+                         W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, BLOCK_N, SLICE_K)
         else:
             tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
             acc_0, acc_1 = split_columns(acc_a, BLOCK_N, BLOCK_K // 2)  # [BN, BK/4] each
             acc_2, acc_3 = split_columns(acc_b, BLOCK_N, BLOCK_K // 2)
             update_slice(W, STATES, SCALES, HOST, acc_0, offs_n, k_start, N, K, n_blocks, seed, UPDATE, W_BF16,
-                         STOCHASTIC, LAYOUTS, BLOCK_N, SLICE_K)
+                         STOCHASTIC, LAYOUTS, NIBBLE_WORDS, BLOCK_N, SLICE_K)
             update_slice(W, STATES, SCALES, HOST, acc_1, offs_n, k_start + SLICE_K, N, K, n_blocks, seed, UPDATE,
-                         W_BF16, STOCHASTIC, LAYOUTS, BLOCK_N, SLICE_K)
+                         W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, BLOCK_N, SLICE_K)
             update_slice(W, STATES, SCALES, HOST, acc_2, offs_n, k_start + 2 * SLICE_K, N, K, n_blocks, seed,
-                         UPDATE, W_BF16, STOCHASTIC, LAYOUTS, BLOCK_N, SLICE_K)
+                         UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, BLOCK_N, SLICE_K)
             update_slice(W, STATES, SCALES, HOST, acc_3, offs_n, k_start + 3 * SLICE_K, N, K, n_blocks, seed,
-                         UPDATE, W_BF16, STOCHASTIC, LAYOUTS, BLOCK_N, SLICE_K)
+                         UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, BLOCK_N, SLICE_K)
 
 
 @triton.jit(do_not_specialize=["seed"])
 def step(
     P, G, STATES, SCALES, HOST, seed, N, K, n_blocks,
     UPDATE: tl.constexpr, W_BF16: tl.constexpr, G_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-    LAYOUTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LAYOUTS: tl.constexpr, NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """P[N, K] -= update(G[N, K]) for one [BLOCK_N, BLOCK_K] tile (a parameter viewed as rows)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,6 +166,7 @@ def step(
     offs, mask = tile_offsets(offs_n, k_start + tl.arange(0, BLOCK_K), N, K)
     scale_offs = block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)  # [BN, BK // 64] (int8 state)
     b_grad = load_weight(G, offs, mask, G_BF16)  # [BN, BK] fp32
-    r_param, raws, scales = load_tile(P, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, BLOCK_N, BLOCK_K)
+    r_param, raws, scales = load_tile(P, STATES, SCALES, offs, mask, scale_offs, W_BF16, LAYOUTS, NIBBLE_WORDS,
+                                      BLOCK_N, BLOCK_K)
     apply_tile(P, STATES, SCALES, HOST, b_grad, r_param, raws, scales, offs, mask, scale_offs, seed, UPDATE, W_BF16,
-               STOCHASTIC, LAYOUTS, BLOCK_N, BLOCK_K)
+               STOCHASTIC, LAYOUTS, NIBBLE_WORDS, BLOCK_N, BLOCK_K)

@@ -37,8 +37,14 @@ Layout codes are the plain ints of `forge_dsl.layouts.StateLayout`:
 The 4-bit layouts hold two codes a byte (element `offs` in byte `offs >> 1`, the low nibble for an
 even `offs`): that is the packed `[rows, cols / 2]` storage only because every row has an even number
 of columns (`forge_dsl.layouts.resolve_layout` keeps odd ones fp32) and tiles start at even columns.
-Loads read each element's byte and shift its nibble out; stores pair neighbours with
-`tl.reshape(..., (BLOCK_N, BLOCK_K // 2, 2))` + `tl.split` and write one byte per pair.
+With NIBBLE_WORDS (rows of a multiple of 8 columns in storage that starts on a 4-byte boundary:
+`launches.nibble_words`) the 8 elements of a row from each column multiple of 8 on share one
+little-endian 32-bit word, element e of it in bits 4e..4e+3, and the helpers load and store one int32
+word per 8 elements (`_load_codes`, `_store_codes`), gathered by reshaping to
+`(BLOCK_N, BLOCK_K // 8, 8)` as the block scales are gathered over 64. Otherwise loads read each
+element's byte and shift its nibble out, and stores pair neighbours with
+`tl.reshape(..., (BLOCK_N, BLOCK_K // 2, 2))` + `tl.split` and write one byte per pair. The bytes are
+the same either way.
 
 Masks: `mask` must be the in-bounds mask of the tile (as from `tile_offsets`),
 possibly further restricted to whole rows. The int8 helpers set a block's scale
@@ -462,49 +468,41 @@ def _sqrt_code(t):
 
 @triton.jit
 def _int4_code(y):
-    """INT4 code of y = x / scale in [-1 - 2**-23, 1 + 2**-23]: the number of the 15 fp32 midpoints
-    `forge_dsl.layouts.INT4_THRESHOLDS` that y reaches (the nearest `INT4_MAP` value, ties up), as int32
-    in [0, 15]; 7 (the value 0) for y = 0. Exact comparisons only."""
-    q = (y >= -0.7749999761581421).to(tl.int32)
-    q += (y >= -0.550000011920929).to(tl.int32)
-    q += (y >= -0.32499998807907104).to(tl.int32)
-    q += (y >= -0.14500001072883606).to(tl.int32)
-    q += (y >= -0.054999999701976776).to(tl.int32)
-    q += (y >= -0.01899999938905239).to(tl.int32)
-    q += (y >= -0.002749999985098839).to(tl.int32)
-    q += (y >= 0.002749999985098839).to(tl.int32)
-    q += (y >= 0.01899999938905239).to(tl.int32)
-    q += (y >= 0.054999999701976776).to(tl.int32)
-    q += (y >= 0.14500001072883606).to(tl.int32)
-    q += (y >= 0.32499998807907104).to(tl.int32)
-    q += (y >= 0.550000011920929).to(tl.int32)
-    q += (y >= 0.7749999761581421).to(tl.int32)
-    q += (y >= 0.9437500238418579).to(tl.int32)
-    return q
+    """INT4 code of y = x / scale in [-1 - 2**-23, 1 + 2**-23]: the number of the 15 fp32 midpoints mu_1..mu_15
+    (`forge_dsl.layouts.INT4_THRESHOLDS`) that y reaches (the nearest `INT4_MAP` value, ties up), as int32 in
+    [0, 15]: what the 15 comparisons `y >= mu_k` count, for any fp32 y (7 for ±0, 15 for +inf, 0 for -inf, NaN).
+
+    4 integer comparisons instead of 15. The midpoints are symmetric, mu_k = -mu_(15-k) for k <= 7, so y >= 0
+    reaches 7 + #{k >= 8 : mu_k <= y} and y < 0 reaches 7 - #{k in 8..14 : mu_k < |y|}. On the magnitude's bits,
+    which order like its values, mu_k < |y| is bits(mu_k) <= bits(|y|) - 1: one key counts for both signs (NaN as
+    a negative beyond every midpoint), by a binary search of mu_8..mu_14 and one comparison with mu_15.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    below = (bits < 0) | (mag > 0x7F800000)  # negative, or NaN
+    key = mag - below.to(tl.int32)
+    # bits of mu_8..mu_15: 0x3B343958 0x3C9BA5E3 0x3D6147AE 0x3E147AE2 0x3EA66666 0x3F0CCCCD 0x3F466666 0x3F71999A
+    b4 = key >= 0x3E147AE2  # mu_11
+    b2 = key >= tl.where(b4, 0x3F0CCCCD, 0x3C9BA5E3)  # mu_13, mu_9
+    b1 = key >= tl.where(b4, tl.where(b2, 0x3F466666, 0x3EA66666), tl.where(b2, 0x3D6147AE, 0x3B343958))
+    c = b4.to(tl.int32) * 4 + b2.to(tl.int32) * 2 + b1.to(tl.int32)  # [0, 7]: how many of mu_8..mu_14 key passes
+    return tl.where(below, 7 - c, 7 + c + (key >= 0x3F71999A).to(tl.int32))  # mu_15: non-negative y only
 
 
 @triton.jit
 def _int4_value(raw):
-    """`forge_dsl.layouts.INT4_MAP[q]` (fp32) for INT4 codes q in [0, 15] (any int type): one select per
-    code, from a zero tile (code 7 is the value 0)."""
-    q = raw.to(tl.int32)
-    v = q.to(tl.float32) * 0.0  # [BN, BK] zeros (q is finite)
-    v = tl.where(q == 0, -0.887499988079071, v)
-    v = tl.where(q == 1, -0.6625000238418579, v)
-    v = tl.where(q == 2, -0.4375, v)
-    v = tl.where(q == 3, -0.21250000596046448, v)
-    v = tl.where(q == 4, -0.07750000059604645, v)
-    v = tl.where(q == 5, -0.032499998807907104, v)
-    v = tl.where(q == 6, -0.005499999970197678, v)
-    v = tl.where(q == 8, 0.005499999970197678, v)
-    v = tl.where(q == 9, 0.032499998807907104, v)
-    v = tl.where(q == 10, 0.07750000059604645, v)
-    v = tl.where(q == 11, 0.21250000596046448, v)
-    v = tl.where(q == 12, 0.4375, v)
-    v = tl.where(q == 13, 0.6625000238418579, v)
-    v = tl.where(q == 14, 0.887499988079071, v)
-    v = tl.where(q == 15, 1.0, v)
-    return v
+    """`forge_dsl.layouts.INT4_MAP[q]` (fp32, bit for bit) for INT4 codes q in [0, 15] (any int type). The map is
+    symmetric about code 7 (p_(7-a) = -p_(7+a) for a <= 7; p_7 = +0, p_15 = 1), so the magnitude is picked by
+    a = |q - 7| (a tree of selects on its bits, 8 instead of 15 selects) and the sign bit of q - 7 is ORed in."""
+    d = raw.to(tl.int32) - 7  # [-7, 8]
+    a = tl.abs(d)
+    odd = (a & 1) != 0
+    low = tl.where((a & 2) != 0, tl.where(odd, 0.07750000059604645, 0.032499998807907104),
+                   tl.where(odd, 0.005499999970197678, 0.0))  # a in [0, 3]
+    high = tl.where((a & 2) != 0, tl.where(odd, 0.887499988079071, 0.6625000238418579),
+                    tl.where(odd, 0.4375, 0.21250000596046448))  # a in [4, 7]
+    m = tl.where(a == 8, 1.0, tl.where((a & 4) != 0, high, low))
+    return (m.to(tl.int32, bitcast=True) | (d & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -523,13 +521,78 @@ def _store_pairs(ptr, codes, offs, mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
+def _word_offsets(offs, mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The 32-bit words of a 4-bit tile with NIBBLE_WORDS: (offsets [BLOCK_N, BLOCK_K // 8] int32, in words, and
+    mask [BLOCK_N, BLOCK_K // 8]); word j of a tile row holds its columns 8j..8j+7, and is masked or not as a whole
+    (rows of a multiple of 8 columns). Reduced over each word's 8 elements, as `_block_mask` over a block's 64, so
+    these layouts are the other state helpers' (Gluon combines only tensors of one layout). One int32 reduction,
+    the mask folded in as -1 (`launches.nibble_words` keeps word offsets below 2**31): it costs shuffles where
+    the compiler spreads a word over threads, as it may in the Triton kernels."""
+    o = tl.where(mask, (offs >> 3).to(tl.int32), -1)
+    o_word = tl.max(tl.reshape(o, (BLOCK_N, BLOCK_K // 8, 8)), axis=2)
+    return o_word, o_word >= 0
+
+
+@triton.jit
+def _nibble_shifts(x3):
+    """4 × each element's index along the last axis (of 8) of the int tensor x3: where nibble e of a word starts.
+    A scan of ones, not an arange: Gluon's arange needs a layout, which these shared helpers cannot name; the
+    compiler folds it to constants where a thread holds whole words."""
+    return (tl.cumsum(x3 * 0 + 1, axis=2) - 1) * 4
+
+
+@triton.jit
+def _unpack_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // 8] int32 words of 8 codes → [BLOCK_N, BLOCK_K] codes (int32 in [0, 15]): element e of a
+    word in bits 4e..4e+3. Broadcast over a last axis of 8, as `_broadcast_blocks` over 64, so the result has the
+    tile's layout."""
+    w3 = tl.broadcast_to(words[:, :, None], (BLOCK_N, BLOCK_K // 8, 8))
+    return tl.reshape((w3 >> _nibble_shifts(w3)) & 0xF, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _pack_words(codes, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] codes (int32 in [0, 15]) → [BLOCK_N, BLOCK_K // 8] int32 words (`_unpack_words`'s
+    inverse), in the layout of `_word_offsets`' (the same reduction)."""
+    q = tl.reshape(codes, (BLOCK_N, BLOCK_K // 8, 8))
+    return tl.sum(q << _nibble_shifts(q), axis=2)  # the nibbles' bits are disjoint: the sum is their OR
+
+
+@triton.jit
+def _load_codes(ptr, offs, mask, NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Load the 4-bit codes of a tile (masked ones read 0): NIBBLE_WORDS, the [BLOCK_N, BLOCK_K // 8] int32 words
+    that hold them (`_unpack_words` takes them apart); else [BLOCK_N, BLOCK_K] uint8 codes, each shifted out of its
+    own byte."""
+    if NIBBLE_WORDS:
+        o_word, m_word = _word_offsets(offs, mask, BLOCK_N, BLOCK_K)
+        return tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + o_word, mask=m_word, other=0)
+    else:
+        b = tl.load(ptr + (offs >> 1), mask=mask, other=0)  # [BN, BK]: each element's byte
+        shift = ((offs & 1) * 4).to(tl.int32)  # the high nibble for an odd element
+        return ((b.to(tl.uint8, bitcast=True).to(tl.int32) >> shift) & 0xF).to(tl.uint8)
+
+
+@triton.jit
+def _store_codes(ptr, codes, offs, mask, NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Store 4-bit codes [BLOCK_N, BLOCK_K] (int32 in [0, 15]): one 32-bit word per 8 (NIBBLE_WORDS), else one byte
+    per pair (`_store_pairs`)."""
+    if NIBBLE_WORDS:
+        o_word, m_word = _word_offsets(offs, mask, BLOCK_N, BLOCK_K)
+        tl.store(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + o_word, _pack_words(codes, BLOCK_N, BLOCK_K),
+                 mask=m_word)
+    else:
+        _store_pairs(ptr, codes, offs, mask, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs,
-                   LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   LAYOUT: tl.constexpr, NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Issue the loads of a state tile in its storage type; `decode_state` them later.
 
     Returns (codes [BLOCK_N, BLOCK_K], scales [BLOCK_N, BLOCK_K // 64] fp32, bf16 ones converted) for the quantized
-    layouts (4-bit: each element's code as uint8, shifted out of its byte), and (storage tile, the
-    same tile again, unused) for FP32 and BF16. Arguments as for `load_state`.
+    layouts (4-bit: each element's code as uint8, shifted out of its byte; with NIBBLE_WORDS the words
+    [BLOCK_N, BLOCK_K // 8] int32 of 8 codes each instead), and (storage tile, the same tile again, unused)
+    for FP32 and BF16. Arguments as for `load_state`.
     """
     if LAYOUT == 0:
         raw = tl.load(ptr + offs, mask=mask, other=0.0)
@@ -549,17 +612,18 @@ def load_state_raw(ptr, scale_ptr, offs, mask, scale_offs,
                              "block scales must be float32, or bfloat16 passed as t.view(torch.int16)")
             scale = tl.load(scale_ptr + scale_offs, mask=bmask, other=0.0)
         if LAYOUT >= 4:
-            b = tl.load(ptr + (offs >> 1), mask=mask, other=0)  # [BN, BK]: each element's byte
-            shift = ((offs & 1) * 4).to(tl.int32)  # the high nibble for an odd element
-            codes = ((b.to(tl.uint8, bitcast=True).to(tl.int32) >> shift) & 0xF).to(tl.uint8)
+            codes = _load_codes(ptr, offs, mask, NIBBLE_WORDS, BLOCK_N, BLOCK_K)
         else:
             codes = tl.load(ptr + offs, mask=mask, other=0)
         return codes, scale
 
 
 @triton.jit
-def decode_state(raw, scale, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def decode_state(raw, scale, LAYOUT: tl.constexpr, NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """The (raw, scale) pair of `load_state_raw` as an fp32 [BLOCK_N, BLOCK_K] tile."""
+    if LAYOUT >= 4 and NIBBLE_WORDS:
+        raw = _unpack_words(raw, BLOCK_N, BLOCK_K)
     if LAYOUT == 0:
         return raw.to(tl.float32)
     elif LAYOUT == 1:
@@ -583,7 +647,7 @@ def decode_state(raw, scale, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
 
 @triton.jit
 def load_state(ptr, scale_ptr, offs, mask, scale_offs,
-               LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               LAYOUT: tl.constexpr, NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Load a state tile as fp32 (masked elements read 0).
 
     Args:
@@ -594,20 +658,24 @@ def load_state(ptr, scale_ptr, offs, mask, scale_offs,
         offs, mask: from `tile_offsets`.
         scale_offs: [BLOCK_N, BLOCK_K // 64] offsets of the tile's block scales in scale_ptr
             (`block_scale_offsets`; read by the int8 layouts only). BLOCK_K is a multiple of 64.
+        NIBBLE_WORDS: INT4 / UINT4 codes are accessed a 32-bit word (8 codes) at a time, not a byte: only
+            where every row of the packed storage starts on a 4-byte boundary, i.e. the tensor's columns are
+            a multiple of 8 and `ptr` is 4-byte aligned (`launches.nibble_words` decides it for the kernels).
+            The other layouts ignore it.
     """
-    raw, scale = load_state_raw(ptr, scale_ptr, offs, mask, scale_offs, LAYOUT, BLOCK_N, BLOCK_K)
-    return decode_state(raw, scale, LAYOUT, BLOCK_N, BLOCK_K)
+    raw, scale = load_state_raw(ptr, scale_ptr, offs, mask, scale_offs, LAYOUT, NIBBLE_WORDS, BLOCK_N, BLOCK_K)
+    return decode_state(raw, scale, LAYOUT, NIBBLE_WORDS, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
-                LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                LAYOUT: tl.constexpr, NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store an fp32 state tile in LAYOUT (arguments as for `load_state`).
 
     INT8 / UINT8_SQRT / INT4 / UINT4: each block's scale is computed from the NEW values
     (masked elements excluded), the codes and the `[BLOCK_N, BLOCK_K // 64]` scales are
     written (scales at scale_ptr + scale_offs, only for blocks holding an unmasked
-    element; 4-bit codes two a byte, `_store_pairs`). BF16 rounds to nearest even.
+    element; 4-bit codes two a byte, `_store_codes`). BF16 rounds to nearest even.
     bf16 scales (an int16 `scale_ptr`) hold the block maximum rounded UP to a bf16 (saturating at the
     largest finite one), and the codes are computed against that rounded scale.
     """
@@ -664,14 +732,14 @@ def store_state(ptr, scale_ptr, value, offs, mask, scale_offs,
             tl.store(ptr + offs, codes, mask=mask)
         elif LAYOUT == 4:
             tl.static_assert(ptr.dtype.element_ty == tl.int8, "INT4 state must be int8 bytes")
-            _store_pairs(ptr, _int4_code(y), offs, mask, BLOCK_N, BLOCK_K)  # invalid blocks: y = 0, code 7
+            _store_codes(ptr, _int4_code(y), offs, mask, NIBBLE_WORDS, BLOCK_N, BLOCK_K)  # invalid blocks: y = 0, 7
         else:
             tl.static_assert(LAYOUT == 5, "unknown state layout")
             tl.static_assert(ptr.dtype.element_ty == tl.uint8, "UINT4 state must be uint8 bytes")
             # u in [0, 16 (1 + 2**-23)**2] (below 16.07 for a saturated bf16 scale): the nearest of 1..16
             # (ties up), minus 1; the upper clamp guards
             q = tl.minimum(tl.maximum(_round_half_up(y).to(tl.int32), 1), 16) - 1
-            _store_pairs(ptr, q, offs, mask, BLOCK_N, BLOCK_K)
+            _store_codes(ptr, q, offs, mask, NIBBLE_WORDS, BLOCK_N, BLOCK_K)
         bmask = _block_mask(mask, BLOCK_N, BLOCK_K)
         tl.store(scale_ptr + scale_offs, stored, mask=bmask)
 
