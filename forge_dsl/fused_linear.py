@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
+from . import tensor_parallel
 from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad, consumed_grad
 from .fused_embedding import embedding_forward, fusion_refusal as embedding_refusal
 
@@ -162,6 +163,8 @@ class _FusedHandle:
         # the last step() found a gradient of it that its module's forward never saw (the weight read directly,
         # e.g. by Liger-Kernel's fused linear cross-entropy): stepped from .grad
         self.bypassed = False
+        # why its last forward took torch's own path (a tensor-parallel sharding whose dW is a partial sum)
+        self.plain_reason: Optional[str] = None
         self._consumed: Optional[ConsumedGrad] = None  # the weight's placeholder .grad, made once (no memory)
         self._rows = None  # the step bound by `begin` (a kernels.ParamUpdate), until `finish`
 
@@ -290,10 +293,37 @@ def fused_forward(module: torch.nn.Linear, handle: _FusedHandle, x: torch.Tensor
             "(FORGE writes bf16 weights with stochastic rounding) without autocast; Hugging Face Trainer "
             "users convert the model and leave TrainingArguments(bf16=False, fp16=False)."
         )
+    if tensor_parallel.is_dtensor(module.weight):
+        return _sharded_forward(module, handle, x)
     if torch.compiler.is_compiling():
         return torch.ops.forge_dsl.linear(x, module.weight, module.bias, handle.id)
     handle.note_forward()
     return _ForgeLinearFn.apply(x, module.weight, module.bias, handle)
+
+
+def _sharded_forward(module: torch.nn.Linear, handle: _FusedHandle, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a fused Linear whose weight is a DTensor (tensor parallelism): `_ForgeLinearFn` on the local
+    shards, its output wrapped as the DTensor the sharding gives (`tensor_parallel.linear_sharding`). Where the sharding leaves each rank a partial dW (or under torch.compile), DTensor's own
+    linear runs and the weight is stepped from its reduced `.grad`."""
+    sharding = tensor_parallel.linear_sharding(x, module.weight)
+    if torch.compiler.is_compiling():
+        sharding = "under torch.compile a sharded Linear runs DTensor's own linear"
+    if isinstance(sharding, str):
+        handle.plain_reason = sharding
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    handle.plain_reason = None
+    handle.note_forward()
+    x_local = x.to_local(grad_placements=sharding.x_grad)
+    # differentiable: where the layer is unfused this step, its dW reaches weight.grad as a DTensor of the shard
+    w_local = module.weight.to_local()
+    # a bias sharded as the output's columns is added to the local product in one rounding, as F.linear adds it;
+    # onto a Partial output (row-parallel) it is added once, as a DTensor
+    bias = module.bias
+    local_bias = (bias is not None and not sharding.output[0].is_partial() and tensor_parallel.is_dtensor(bias)
+                  and tuple(bias.placements) == tuple(module.weight.placements))
+    y_local = _ForgeLinearFn.apply(x_local, w_local, bias.to_local() if local_bias else None, handle)
+    y = tensor_parallel.wrap(y_local, module.weight, sharding.output, (*x.shape[:-1], module.weight.shape[0]))
+    return y + bias if bias is not None and not local_bias else y
 
 
 # ----------------------------------------------------------------------------
