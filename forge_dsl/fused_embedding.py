@@ -120,7 +120,7 @@ def _sharded_embedding(module: torch.nn.Embedding, ids: torch.Tensor, sink) -> t
     if hasattr(sink, "plain_reason"):
         sink.plain_reason = None
     ids_local = ids.to_local()
-    w_local = weight.to_local()  # differentiable: where unfused this step, the dense gradient reaches weight.grad
+    w_local = tensor_parallel.local(weight)  # no autograd history: the gradient goes to `weight` (`sharded`)
     padding_idx, outside = module.padding_idx, None
     if sharding.row_offset is not None:  # rows [row_offset, row_offset + R) of the table live here
         num_rows = w_local.shape[0]
@@ -131,26 +131,29 @@ def _sharded_embedding(module: torch.nn.Embedding, ids: torch.Tensor, sink) -> t
             padding_idx = padding_idx if 0 <= padding_idx < num_rows else None
     out = embedding(ids_local, w_local, sink=sink, padding_idx=padding_idx, max_norm=module.max_norm,
                     norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse,
-                    outside=outside)
+                    outside=outside, sharded=weight)
     return tensor_parallel.wrap(out, weight, sharding.output, (*ids.shape, weight.shape[1]))
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, *, sink, padding_idx: Optional[int] = None,
               max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
               sparse: bool = False, tile_rows: Optional[int] = None,
-              outside: Optional[torch.Tensor] = None) -> torch.Tensor:
+              outside: Optional[torch.Tensor] = None, sharded: Optional[torch.Tensor] = None) -> torch.Tensor:
     """weight[ids]: ids [...] int64 or int32, weight [V, D] -> [..., D], as F.embedding; its backward hands the
     weight's gradient to `sink` in fp32 blocks of `tile_rows` rows (default `tile_rows_for(D)`), see the
     module docstring. With gradients disabled, a weight that does not require grad, or under torch.compile:
     F.embedding with these arguments (the sink is not called).
 
     outside: bool [...] like ids, or None: tokens whose id lies outside this table (another rank's rows, under
-    tensor parallelism); their rows of the output are zeros and they hand no gradient. Their ids are ignored."""
+    tensor parallelism); their rows of the output are zeros and they hand no gradient. Their ids are ignored.
+    sharded: the DTensor parameter whose local shard `weight` is (a view without autograd history), or None: it is
+    what requires grad, and a step that is not fused adds its dense gradient to that parameter's `.grad`."""
+    grad_of = weight if sharded is None else sharded
     if outside is not None:
         if not isinstance(outside, torch.Tensor) or outside.dtype != torch.bool or outside.shape != ids.shape:
             raise ValueError("outside must be a bool tensor of the ids' shape, or None")
         ids = ids.masked_fill(outside, 0)
-    if not (torch.is_grad_enabled() and weight.requires_grad) or torch.compiler.is_compiling():
+    if not (torch.is_grad_enabled() and grad_of.requires_grad) or torch.compiler.is_compiling():
         out = F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
         return out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0)
     if max_norm is not None:
@@ -178,15 +181,17 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, *, sink, padding_idx: Opt
         tile_rows = tile_rows_for(weight.shape[1])
     elif isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1:
         raise ValueError(f"tile_rows must be a positive int, got {tile_rows!r}")
-    return _FusedEmbeddingFn.apply(ids, weight, sink, padding_idx, bool(scale_grad_by_freq), tile_rows, outside)
+    return _FusedEmbeddingFn.apply(ids, weight, sink, padding_idx, bool(scale_grad_by_freq), tile_rows, outside,
+                                   sharded)
 
 
 class _FusedEmbeddingFn(torch.autograd.Function):
     """weight[ids].  Backward: the weight's gradient tile by tile into the sink (or its dense gradient, unfused)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, sink, padding_idx, scale_grad_by_freq, tile_rows, outside):
+    def forward(ctx, ids, weight, sink, padding_idx, scale_grad_by_freq, tile_rows, outside, sharded):
         ctx.num_rows = weight.shape[0]
+        ctx.sharded = sharded
         ctx.any_outside = outside is not None
         if outside is not None:  # ids past every row hand no gradient (as padding tokens do)
             ids = ids.masked_fill(outside, ctx.num_rows)
@@ -201,15 +206,25 @@ class _FusedEmbeddingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        if not ctx.needs_input_grad[1]:
-            return None, None, None, None, None, None, None
-        if not ctx.sink.begin():  # not fused this step: the dense gradient, to autograd
+        nothing = (None,) * 8
+        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[7]):
+            return nothing
+        if not ctx.sink.begin():  # not fused this step: the dense gradient, to autograd (or the sharded .grad)
             dense = _dense_grad(grad, ids, ctx.num_rows, ctx.padding_idx, ctx.scale_grad_by_freq, ctx.any_outside)
-            return None, dense, None, None, None, None, None
+            sharded = ctx.sharded
+            if sharded is None:
+                return None, dense, *nothing[2:]
+            dense = tensor_parallel.wrap(dense.to(sharded.dtype), sharded, tuple(sharded.placements), sharded.shape)
+            with torch.no_grad():
+                if sharded.grad is None:
+                    sharded.grad = dense
+                else:
+                    sharded.grad += dense
+            return nothing
         hand_rows(ids, grad, ctx.num_rows, ctx.sink, padding_idx=ctx.padding_idx,
                   scale_grad_by_freq=ctx.scale_grad_by_freq, tile_rows=ctx.tile_rows)
         ctx.sink.finish()
-        return None, None, None, None, None, None, None
+        return nothing
 
 
 def _dense_grad(grad: torch.Tensor, ids: torch.Tensor, num_rows: int, padding_idx: Optional[int],

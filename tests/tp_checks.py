@@ -459,13 +459,50 @@ def check_sequence_sharded_input_is_stepped_unfused(rank, world, tmp):
     opt = ForgeOptimizer(model, "adamw", lr=1e-2)
     ref_opt = ForgeOptimizer(ref, "adamw", lr=1e-2)
     for x, target in mlp_batches(2, torch.float32):
-        xs = DTensor.from_local(x.chunk(world, dim=1)[rank].contiguous(), mesh, [Shard(1)], run_check=False)
-        (full(model(xs)) * target).sum().backward()
+        x, target = x.flatten(0, 1), target.flatten(0, 1)  # [tokens, features]: torch 2.10's DTensor linear
+        xs = DTensor.from_local(x.chunk(world)[rank].contiguous(), mesh, [Shard(0)], run_check=False)  # cannot
+        (full(model(xs)) * target).sum().backward()  # flatten a 3-D input sharded on its sequence dim
         (ref(x) * target).sum().backward()
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     assert "partial sum" in opt.describe() and "fused in backward (0)" in opt.describe(), opt.describe()
     assert_matches(model, ref, "sequence-sharded input")
+
+
+class Shared(nn.Module):
+    """An embedding and a Linear called twice in one forward: stepped unfused, from their summed .grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 128)
+        self.up = nn.Linear(128, 256)
+        self.down = nn.Linear(256, 128)
+
+    def forward(self, ids):
+        a, b = self.emb(ids), self.emb((ids * 7) % 128)
+        return self.down(torch.relu(self.up(a)) + torch.relu(self.up(b)))
+
+
+def check_layers_called_twice_step_unfused(rank, world, tmp):
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref = Shared()
+    model = parallelize_module(copy.deepcopy(ref), mesh, {
+        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "up": ColwiseParallel(), "down": RowwiseParallel()})
+    opt = ForgeOptimizer(model, "adamw", lr=1e-2)
+    ref_opt = ForgeOptimizer(ref, "adamw", lr=1e-2)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        ids, target = torch.randint(0, 128, (2, 8), generator=g), torch.randn(2, 8, 128, generator=g)
+        (full(model(ids)) * target).sum().backward()
+        (ref(ids) * target).sum().backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    described = opt.describe()
+    assert "used several times in the last step (2): emb.weight, up.weight" in described, described
+    assert "fused in backward (1): down.weight" in described, described
+    assert_matches(model, ref, "layers called twice")
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
