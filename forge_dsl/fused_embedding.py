@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from . import tensor_parallel
 from .kernels.checks import check_device
 
 __all__ = ["WORKSPACE_BYTES", "embedding", "embedding_forward", "fusion_refusal", "hand_rows", "tile_rows_for"]
@@ -96,19 +97,65 @@ _SPARSE = ("sparse=True makes a sparse gradient for a sparse optimizer (torch.op
 
 def embedding_forward(module: torch.nn.Embedding, ids: torch.Tensor, sink) -> torch.Tensor:
     """The forward of a fused nn.Embedding: ids [...] -> [..., D], its options as the module's own forward."""
+    if tensor_parallel.is_dtensor(module.weight):
+        return _sharded_embedding(module, ids, sink)
     return embedding(ids, module.weight, sink=sink, padding_idx=module.padding_idx, max_norm=module.max_norm,
                      norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse)
 
 
+def _sharded_embedding(module: torch.nn.Embedding, ids: torch.Tensor, sink) -> torch.Tensor:
+    """The forward of a fused nn.Embedding whose weight is a DTensor (tensor parallelism,
+    `tensor_parallel.embedding_sharding`): `embedding` on the local shard, its output wrapped as a DTensor. Rows
+    sharded (RowwiseParallel): ids outside this rank's rows read zeros (the output is Partial) and hand no
+    gradient. Where the sharding is not one of those, DTensor's own embedding runs and the weight is stepped from
+    its `.grad` (`sink.plain_reason` says why)."""
+    weight = module.weight
+    sharding = tensor_parallel.embedding_sharding(ids, weight)
+    if isinstance(sharding, str) or torch.compiler.is_compiling() or not (torch.is_grad_enabled() and
+                                                                           weight.requires_grad):
+        if isinstance(sharding, str) and hasattr(sink, "plain_reason"):
+            sink.plain_reason = sharding
+        return F.embedding(ids, weight, module.padding_idx, module.max_norm, module.norm_type,
+                           module.scale_grad_by_freq, module.sparse)
+    if hasattr(sink, "plain_reason"):
+        sink.plain_reason = None
+    ids_local = ids.to_local()
+    w_local = tensor_parallel.local(weight)  # no autograd history: the gradient goes to `weight` (`sharded`)
+    padding_idx, outside = module.padding_idx, None
+    if sharding.row_offset is not None:  # rows [row_offset, row_offset + R) of the table live here
+        num_rows = w_local.shape[0]
+        ids_local = ids_local - sharding.row_offset
+        outside = (ids_local < 0) | (ids_local >= num_rows)
+        if padding_idx is not None:
+            padding_idx = padding_idx % weight.shape[0] - sharding.row_offset
+            padding_idx = padding_idx if 0 <= padding_idx < num_rows else None
+    out = embedding(ids_local, w_local, sink=sink, padding_idx=padding_idx, max_norm=module.max_norm,
+                    norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse,
+                    outside=outside, sharded=weight)
+    return tensor_parallel.wrap(out, weight, sharding.output, (*ids.shape, weight.shape[1]))
+
+
 def embedding(ids: torch.Tensor, weight: torch.Tensor, *, sink, padding_idx: Optional[int] = None,
               max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-              sparse: bool = False, tile_rows: Optional[int] = None) -> torch.Tensor:
+              sparse: bool = False, tile_rows: Optional[int] = None,
+              outside: Optional[torch.Tensor] = None, sharded: Optional[torch.Tensor] = None) -> torch.Tensor:
     """weight[ids]: ids [...] int64 or int32, weight [V, D] -> [..., D], as F.embedding; its backward hands the
     weight's gradient to `sink` in fp32 blocks of `tile_rows` rows (default `tile_rows_for(D)`), see the
     module docstring. With gradients disabled, a weight that does not require grad, or under torch.compile:
-    F.embedding with these arguments (the sink is not called)."""
-    if not (torch.is_grad_enabled() and weight.requires_grad) or torch.compiler.is_compiling():
-        return F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    F.embedding with these arguments (the sink is not called).
+
+    outside: bool [...] like ids, or None: tokens whose id lies outside this table (another rank's rows, under
+    tensor parallelism); their rows of the output are zeros and they hand no gradient. Their ids are ignored.
+    sharded: the DTensor parameter whose local shard `weight` is (a view without autograd history), or None: it is
+    what requires grad, and a step that is not fused adds its dense gradient to that parameter's `.grad`."""
+    grad_of = weight if sharded is None else sharded
+    if outside is not None:
+        if not isinstance(outside, torch.Tensor) or outside.dtype != torch.bool or outside.shape != ids.shape:
+            raise ValueError("outside must be a bool tensor of the ids' shape, or None")
+        ids = ids.masked_fill(outside, 0)
+    if not (torch.is_grad_enabled() and grad_of.requires_grad) or torch.compiler.is_compiling():
+        out = F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+        return out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0)
     if max_norm is not None:
         raise ValueError(f"max_norm={max_norm!r} cannot be fused: " + _MAX_NORM)
     if sparse:
@@ -134,33 +181,64 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, *, sink, padding_idx: Opt
         tile_rows = tile_rows_for(weight.shape[1])
     elif isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1:
         raise ValueError(f"tile_rows must be a positive int, got {tile_rows!r}")
-    return _FusedEmbeddingFn.apply(ids, weight, sink, padding_idx, bool(scale_grad_by_freq), tile_rows)
+    return _FusedEmbeddingFn.apply(ids, weight, sink, padding_idx, bool(scale_grad_by_freq), tile_rows, outside,
+                                   sharded)
 
 
 class _FusedEmbeddingFn(torch.autograd.Function):
     """weight[ids].  Backward: the weight's gradient tile by tile into the sink (or its dense gradient, unfused)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, sink, padding_idx, scale_grad_by_freq, tile_rows):
+    def forward(ctx, ids, weight, sink, padding_idx, scale_grad_by_freq, tile_rows, outside, sharded):
+        ctx.num_rows = weight.shape[0]
+        ctx.sharded = sharded
+        ctx.any_outside = outside is not None
+        if outside is not None:  # ids past every row hand no gradient (as padding tokens do)
+            ids = ids.masked_fill(outside, ctx.num_rows)
         ctx.save_for_backward(ids)  # the weight is not saved: the sink updates it in place in backward
         ctx.sink, ctx.padding_idx, ctx.tile_rows = sink, padding_idx, tile_rows
         ctx.scale_grad_by_freq = scale_grad_by_freq
-        ctx.num_rows = weight.shape[0]
-        return F.embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, False)
+        if outside is None:
+            return F.embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, False)
+        out = F.embedding(ids.masked_fill(outside, 0), weight, padding_idx, None, 2.0, scale_grad_by_freq, False)
+        return out.masked_fill_(outside.unsqueeze(-1), 0)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        if not ctx.needs_input_grad[1]:
-            return None, None, None, None, None, None
-        padding = -1 if ctx.padding_idx is None else ctx.padding_idx
-        if not ctx.sink.begin():  # not fused this step: torch's own gradient, to autograd
-            dense = torch.ops.aten.embedding_backward(grad, ids, ctx.num_rows, padding, ctx.scale_grad_by_freq, False)
-            return None, dense, None, None, None, None
+        nothing = (None,) * 8
+        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[7]):
+            return nothing
+        if not ctx.sink.begin():  # not fused this step: the dense gradient, to autograd (or the sharded .grad)
+            dense = _dense_grad(grad, ids, ctx.num_rows, ctx.padding_idx, ctx.scale_grad_by_freq, ctx.any_outside)
+            sharded = ctx.sharded
+            if sharded is None:
+                return None, dense, *nothing[2:]
+            dense = tensor_parallel.wrap(dense.to(sharded.dtype), sharded, tuple(sharded.placements), sharded.shape)
+            with torch.no_grad():
+                if sharded.grad is None:
+                    sharded.grad = dense
+                else:
+                    sharded.grad += dense
+            return nothing
         hand_rows(ids, grad, ctx.num_rows, ctx.sink, padding_idx=ctx.padding_idx,
                   scale_grad_by_freq=ctx.scale_grad_by_freq, tile_rows=ctx.tile_rows)
         ctx.sink.finish()
-        return None, None, None, None, None, None
+        return nothing
+
+
+def _dense_grad(grad: torch.Tensor, ids: torch.Tensor, num_rows: int, padding_idx: Optional[int],
+                scale_grad_by_freq: bool, any_outside: bool) -> torch.Tensor:
+    """The dense gradient [num_rows, D] of weight[ids] from ΔY `grad` [..., D]: torch's own
+    (`aten.embedding_backward`); with `any_outside`, the tokens whose ids are past every row (`num_rows`: another
+    rank's rows) are left out first."""
+    padding = -1 if padding_idx is None else padding_idx
+    if not any_outside:
+        return torch.ops.aten.embedding_backward(grad, ids, num_rows, padding, scale_grad_by_freq, False)
+    keep = ids < num_rows
+    dim = grad.shape[-1]
+    return torch.ops.aten.embedding_backward(grad.reshape(-1, dim)[keep.reshape(-1)], ids[keep], num_rows, padding,
+                                             scale_grad_by_freq, False)
 
 
 def hand_rows(ids: torch.Tensor, grad: torch.Tensor, num_rows: int, sink, *, padding_idx: Optional[int],

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import tensor_parallel
 from .row_updates import RowSink
 
 __all__ = ["LOGITS_BLOCK_BYTES", "SUPPORTED_MODEL_TYPES", "causal_lm_loss", "install", "vocab_block_rows"]
@@ -282,6 +283,10 @@ def _refusal(model: Any) -> Optional[str]:
         return "model.lm_head has a bias, which the loss without logits does not add"
     if head.weight.shape[0] != getattr(config, "vocab_size", None):
         return f"model.lm_head has {head.weight.shape[0]} outputs but config.vocab_size is {config.vocab_size}"
+    if tensor_parallel.is_dtensor(head.weight):
+        return ("model.lm_head is sharded with tensor parallelism (a DTensor weight): the loss without logits "
+                "would need a log-sum-exp across the ranks' vocabulary shards, which it does not compute. Train "
+                "with the model's own loss (FORGE still updates the sharded head inside backward)")
     if head._forward_hooks or head._forward_pre_hooks:
         return "model.lm_head has forward hooks, which the loss without logits would skip (it never calls lm_head)"
     return None

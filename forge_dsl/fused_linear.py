@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
+from . import tensor_parallel
 from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad, consumed_grad
 from .fused_embedding import embedding_forward, fusion_refusal as embedding_refusal
 
@@ -125,10 +126,14 @@ def _restore_forwards(restores: list) -> None:
 
 
 class _ForgeLinearFn(torch.autograd.Function):
-    """y = x Wᵀ + b.  Backward: ΔX with the old W, then the fused update of W (or dW, when unfused)."""
+    """y = x Wᵀ + b.  Backward: ΔX with the old W, then the fused update of W (or dW, when unfused).
+
+    `sharded`: under tensor parallelism, the DTensor parameter whose local shard `weight` is (a view without
+    autograd history): an input only so that the backward runs (and reaches the update) even where nothing else
+    of the layer requires grad; it gets no gradient from here (`_FusedHandle.consume` adds an unfused step's)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, handle):
+    def forward(ctx, x, weight, bias, handle, sharded=None):
         ctx.save_for_backward(x)
         ctx.handle = handle
         ctx.weight = weight  # not saved through autograd: it is updated in place in backward
@@ -142,7 +147,7 @@ class _ForgeLinearFn(torch.autograd.Function):
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # the old weight, before the update
         dbias = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dweight = ctx.handle.consume(x, dy)  # after ΔX: the update overwrites the weight
-        return dx, dweight, dbias, None
+        return dx, dweight, dbias, None, None
 
 
 class _FusedHandle:
@@ -162,6 +167,8 @@ class _FusedHandle:
         # the last step() found a gradient of it that its module's forward never saw (the weight read directly,
         # e.g. by Liger-Kernel's fused linear cross-entropy): stepped from .grad
         self.bypassed = False
+        # why its last forward took torch's own path (a tensor-parallel sharding whose dW is a partial sum)
+        self.plain_reason: Optional[str] = None
         self._consumed: Optional[ConsumedGrad] = None  # the weight's placeholder .grad, made once (no memory)
         self._rows = None  # the step bound by `begin` (a kernels.ParamUpdate), until `finish`
 
@@ -188,10 +195,16 @@ class _FusedHandle:
 
     def consume(self, x: torch.Tensor, dy: torch.Tensor) -> Optional[torch.Tensor]:
         """In backward: the fused update of this layer's weight from x [..., K] and dy [..., N] (None), or, where
-        it is not fused this step, its dW [N, K] for autograd."""
+        it is not fused this step, its dW [N, K] for autograd. A weight sharded by tensor parallelism (x, dy and
+        dW this rank's shards) gets an unfused step's dW added to its `.grad` here, as the DTensor of its shard,
+        and None is returned: its forward hands autograd only the local shard, which has no gradient edge."""
         opt, weight = self._fused_this_step()
         if opt is None:
-            return _dw(x, dy, weight)
+            dw = _dw(x, dy, weight)
+            if tensor_parallel.is_dtensor(weight):
+                _add_to_grad(weight, tensor_parallel.wrap(dw, weight, tuple(weight.placements), weight.shape))
+                return None
+            return dw
         opt._fused_update(weight, x, dy)
         self._updated(weight)
         return None
@@ -290,10 +303,37 @@ def fused_forward(module: torch.nn.Linear, handle: _FusedHandle, x: torch.Tensor
             "(FORGE writes bf16 weights with stochastic rounding) without autocast; Hugging Face Trainer "
             "users convert the model and leave TrainingArguments(bf16=False, fp16=False)."
         )
+    if tensor_parallel.is_dtensor(module.weight):
+        return _sharded_forward(module, handle, x)
     if torch.compiler.is_compiling():
         return torch.ops.forge_dsl.linear(x, module.weight, module.bias, handle.id)
     handle.note_forward()
     return _ForgeLinearFn.apply(x, module.weight, module.bias, handle)
+
+
+def _sharded_forward(module: torch.nn.Linear, handle: _FusedHandle, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a fused Linear whose weight is a DTensor (tensor parallelism): `_ForgeLinearFn` on the local
+    shards, its output wrapped as the DTensor the sharding gives (`tensor_parallel.linear_sharding`). Where the sharding leaves each rank a partial dW (or under torch.compile), DTensor's own
+    linear runs and the weight is stepped from its reduced `.grad`."""
+    sharding = tensor_parallel.linear_sharding(x, module.weight)
+    if torch.compiler.is_compiling():
+        sharding = "under torch.compile a sharded Linear runs DTensor's own linear"
+    if isinstance(sharding, str):
+        handle.plain_reason = sharding
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    handle.plain_reason = None
+    handle.note_forward()
+    x_local = x.to_local(grad_placements=sharding.x_grad)
+    # the shard without autograd history: where the layer is unfused this step, `consume` adds its dW to .grad
+    w_local = tensor_parallel.local(module.weight)
+    # a bias sharded as the output's columns is added to the local product in one rounding, as F.linear adds it;
+    # onto a Partial output (row-parallel) it is added once, as a DTensor
+    bias = module.bias
+    local_bias = (bias is not None and not sharding.output[0].is_partial() and tensor_parallel.is_dtensor(bias)
+                  and tuple(bias.placements) == tuple(module.weight.placements))
+    y_local = _ForgeLinearFn.apply(x_local, w_local, bias.to_local() if local_bias else None, handle, module.weight)
+    y = tensor_parallel.wrap(y_local, module.weight, sharding.output, (*x.shape[:-1], module.weight.shape[0]))
+    return y + bias if bias is not None and not local_bias else y
 
 
 # ----------------------------------------------------------------------------
@@ -343,18 +383,22 @@ def _linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                            "dropping the optimizer")
     dw = fused.consume(x, dy)
     if dw is not None:  # not fused this step: autograd's dW, into the parameter's .grad
-        param = fused.weight_ref()
-        with torch.no_grad():
-            if param.grad is None:
-                param.grad = dw
-            else:
-                param.grad += dw
+        _add_to_grad(fused.weight_ref(), dw)
     return dx
 
 
 @_linear_backward_op.register_fake
 def _(dy, x, weight, handle, needs_dx):
     return dy.new_empty(*dy.shape[:-1], weight.shape[1]) if needs_dx else dy.new_empty(0)
+
+
+def _add_to_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """`param.grad += grad` as autograd accumulates it (the first one taken as it is)."""
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad += grad
 
 
 def _dw(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -58,25 +58,21 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from . import checkpoint, fused_head, ir
+from . import checkpoint, fused_head, ir, tensor_parallel
 from .api import SpecLike, init_state, load_spec
 from .consumed_grad import CLIP_MESSAGE, OUTSIDE_USE_MESSAGE, ConsumedGrad
 from .fused_linear import _FusedForward, _FusedHandle, _fused_forward_of, _restore_forwards, fusion_refusal
 from .config import check_seed, resolve_hypers
 from .kernels.foreach import FOREACH_MAX_ELEMENTS, _step_flat, shared_launch_key
-from .kernels.launch import ParamUpdate, linear_step, step as elementwise_step
+from .kernels.launch import ParamUpdate, linear_step, mix_seed, step as elementwise_step
 from .kernels.policy import LINEAR_PATHS, interpreting
 
 __all__ = ["ForgeOptimizer", "fuse", "fusion_refusal"]
 
 def _check_not_data_parallel(model: torch.nn.Module) -> None:
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or "FullyShardedDataParallel" in type(
-        model
-    ).__name__:
-        raise ValueError(
-            "FORGE cannot fuse under data parallelism (DDP/FSDP): each rank would update its weights from its "
-            "own partial gradient before the all-reduce. Use fuse=False, or tensor/sequence parallelism."
-        )
+    refusal = tensor_parallel.data_parallel_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 class _Candidate:
@@ -293,8 +289,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.seed = check_seed(seed)
         self._param_index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
-        for p in self._param_index:
-            self._check_param(p)
+        self._shard_of: dict[torch.nn.Parameter, Optional[int]] = {}  # tensor parallelism: which shard a rank holds
         self._handles: dict[torch.nn.Parameter, _FusedHandle] = {}
         self._head_installs: list = []  # fused_head.install's handles, one per causal LM (lm_head_loss)
         self._unfused_reason: dict[torch.nn.Parameter, str] = {}
@@ -307,6 +302,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                               "memory saving). Call forge_dsl.fuse(model) before building the optimizer, or pass "
                               "the model itself.", stacklevel=2)
         self._names = {p: candidates[id(p)].name for p in self._param_index if id(p) in candidates}
+        for p in self._param_index:
+            self._check_param(p)
         if fuse:
             heads = [model] if lm_head_loss else []
             if model is None:
@@ -319,6 +316,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return {k: v for k, v in group.items() if k in self._keywords and v is not None}
 
     def _check_param(self, p: torch.Tensor) -> None:
+        """Refuse a parameter the kernels cannot update (dtype, device, layout), or whose int8 / int4 state a
+        tensor-parallel shard would cut (`tensor_parallel.quantized_sharding_refusal`): before any update."""
         if p.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"parameter of dtype {p.dtype}: FORGE kernels update float32 or bfloat16 weights; "
@@ -332,12 +331,23 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 f"parameter on {p.device}: FORGE kernels run on CUDA (model.cuda()), or on the CPU only in "
                 "the Triton interpreter (TRITON_INTERPRET=1 set before importing triton, for tests)"
             )
-        if not p.is_contiguous():
+        if not tensor_parallel.local(p).is_contiguous():
             raise ValueError("FORGE updates parameters in place and needs them contiguous")
+        if tensor_parallel.is_dtensor(p):
+            layouts = tensor_parallel.global_layouts(self.spec, p, self.state_dtype).values()
+            refusal = tensor_parallel.quantized_sharding_refusal(p, layouts, self._names.get(p, "a parameter"))
+            if refusal is not None:
+                raise ValueError(refusal)
+            self._shard_of[p] = tensor_parallel.shard_index(p)
 
     def _attach(self, candidates: dict[int, _Candidate], heads: list) -> None:
         """Install the fused forward on every eligible Linear and Embedding whose weight this optimizer trains,
         and the loss without logits on the causal LMs `heads`."""
+        for p in self._param_index:  # refused before any module changes
+            candidate = candidates.get(id(p))
+            refusal = tensor_parallel.mesh_refusal(p, candidate.name) if candidate is not None else None
+            if refusal is not None and candidate.module_ref is not None and candidate.refusal is None:
+                raise ValueError(refusal)
         forwards = []
         for p in self._param_index:
             candidate = candidates.get(id(p))
@@ -400,10 +410,20 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _param_seed(self, p: torch.Tensor) -> int:
         return (self.seed * 1_000_003 + self._param_index[p]) & 0x7FFFFFFF
 
+    def _rounding_seed(self, p: torch.Tensor, state: Mapping[str, Any]) -> int:
+        """The stochastic-rounding seed of `p`'s update: its state's seed (the same on every rank), mixed with the
+        shard a rank holds under tensor parallelism (shards draw independent bits, replicas the same)."""
+        shard = self._shard_of.get(p)
+        seed = int(state["seed"])
+        return seed if shard is None else mix_seed(seed, shard + 1)
+
     def _state_for(self, p: torch.Tensor, group: Mapping[str, Any], hypers: Mapping[str, Any]) -> dict:
         state = self.state[p]
         if not state:
-            state.update(init_state(self.spec, p.data, layout=self.state_dtype,
+            layout = self.state_dtype
+            if tensor_parallel.is_dtensor(p):  # the local shard, in the layouts of the whole parameter
+                layout = tensor_parallel.state_layouts(self.spec, p, self.state_dtype)
+            state.update(init_state(self.spec, tensor_parallel.local(p), layout=layout,
                                     initial_hypers=group.get(_INITIAL_KEY), **hypers))
             state["step"] = torch.tensor(0.0)
             # a group with state carries its checkpoint metadata from now on (forge_dsl/checkpoint.py: why)
@@ -419,8 +439,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         state = self._state_for(weight, group, hypers)
         self._open_backward()
         linear_step(
-            self.spec, x, dy, weight.data, state, path=self.linear_path, step=int(state["step"].item()) + 1,
-            seed=int(state["seed"]), rounding=self.rounding,
+            self.spec, x, dy, tensor_parallel.local(weight), state, path=self.linear_path,
+            step=int(state["step"].item()) + 1, seed=self._rounding_seed(weight, state), rounding=self.rounding,
             tf32=torch.get_float32_matmul_precision() != "highest", **hypers,
         )
         state["step"] += 1
@@ -437,8 +457,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         hypers = self._group_hypers(group)
         state = self._state_for(weight, group, hypers)
         self._open_backward()
-        return ParamUpdate(self.spec, weight.data, state, step=int(state["step"].item()) + 1, seed=int(state["seed"]),
-                           rounding=self.rounding, **hypers)
+        return ParamUpdate(self.spec, tensor_parallel.local(weight), state, step=int(state["step"].item()) + 1,
+                           seed=self._rounding_seed(weight, state), rounding=self.rounding, **hypers)
 
     def _finish_rows_update(self, weight: torch.nn.Parameter, update: ParamUpdate) -> None:
         update.commit()
@@ -471,7 +491,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return loss
         for group in self.param_groups:
             hypers = self._group_hypers(group)
-            shared: dict[tuple, list[torch.nn.Parameter]] = {}  # (step, shared_launch_key) -> params
+            shared: dict[tuple, list[torch.nn.Parameter]] = {}  # (step, shared_launch_key, shard) -> params
+            grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # the local gradient of each, reduced where Partial
             for p in group["params"]:
                 handle = self._handles.get(p)
                 if handle is not None and handle.updated:
@@ -481,26 +502,29 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 if p.grad is None or isinstance(p.grad, ConsumedGrad):
                     continue
                 if handle is not None:  # fused, but not through its module's forward this step
-                    handle.bypassed = not handle.shared
+                    handle.bypassed = not handle.shared and handle.plain_reason is None
                 if p.grad.is_sparse:
                     raise ValueError("sparse gradients are not supported (nn.Embedding(sparse=True))")
                 state = self._state_for(p, group, hypers)
+                param, grad = tensor_parallel.local(p), tensor_parallel.local_grad(p)
                 key = None
-                if self.foreach and p.numel() <= FOREACH_MAX_ELEMENTS:
-                    key = shared_launch_key(self.spec, p.data, p.grad, state)
-                if key is not None:
-                    shared.setdefault((int(state["step"]), key), []).append(p)
+                if self.foreach and param.numel() <= FOREACH_MAX_ELEMENTS:
+                    key = shared_launch_key(self.spec, param, grad, state)
+                if key is not None:  # shards of one rank draw their own bits, replicas the same: kept apart
+                    shared.setdefault((int(state["step"]), key, self._shard_of.get(p)), []).append(p)
+                    grads[p] = grad
                     continue
                 elementwise_step(
-                    self.spec, p.data, p.grad, state, step=int(state["step"].item()) + 1,
-                    seed=int(state["seed"]), rounding=self.rounding, **hypers,
+                    self.spec, param, grad, state, step=int(state["step"].item()) + 1,
+                    seed=self._rounding_seed(p, state), rounding=self.rounding, **hypers,
                 )
                 state["step"] += 1
-            for (count, _), params in shared.items():
+            for (count, _, _), params in shared.items():
                 states = [self.state[p] for p in params]
                 # grouped by shared_launch_key just above: foreach_step's checks would find them equal again
-                _step_flat(self.spec, [p.data for p in params], [p.grad for p in params], states,
-                           step=count + 1, seed=int(states[0]["seed"]), rounding=self.rounding, **hypers)
+                _step_flat(self.spec, [tensor_parallel.local(p) for p in params], [grads[p] for p in params], states,
+                           step=count + 1, seed=self._rounding_seed(params[0], states[0]), rounding=self.rounding,
+                           **hypers)
                 for state in states:
                     state["step"] += 1
         self._end_step()
@@ -520,8 +544,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         held = checkpoint.held_layouts(self.spec, self.state.values())
         if held is not None:
             lines.append(f"  state held: {held}")
-        fused = [h.name for h in self._handles.values() if not h.shared and not h.bypassed]
+        fused = [h.name for h in self._handles.values() if not h.shared and not h.bypassed and h.plain_reason is None]
         shared = [h.name for h in self._handles.values() if h.shared]
+        plain = [h for h in self._handles.values() if h.plain_reason is not None and not h.shared]
         bypassed = [h.name for h in self._handles.values() if h.bypassed]
         lines.append(f"  fused in backward ({len(fused)}): " + (", ".join(fused) or "none"))
         for install in self._head_installs:
@@ -531,6 +556,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if bypassed:
             lines.append(f"  unfused, its weight read outside its module's forward in the last step (e.g. by a fused "
                          f"linear cross-entropy), stepped from .grad ({len(bypassed)}): " + ", ".join(bypassed))
+        for h in plain:
+            lines.append(f"  unfused in the last step, {h.plain_reason}: {h.name}")
         for p, why in self._unfused_reason.items():
             lines.append(f"  unfused, {why}: {self._names.get(p, '?')}")
         rest = [self._names.get(p, "?") for p in self._param_index if p not in self._handles and p not in
@@ -551,6 +578,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         for group in sd["param_groups"]:  # not the live groups' dicts: a caller may edit what it got
             group[checkpoint.META_KEY] = self._checkpoint_metadata()
+        for index, p in enumerate(self._param_index):  # torch numbers parameters in the groups' order
+            if tensor_parallel.is_dtensor(p) and index in sd["state"]:  # sharded state: DTensors of p's mesh
+                layouts = tensor_parallel.global_layouts(self.spec, p, self.state_dtype)
+                sd["state"][index] = tensor_parallel.global_state(p, self.state[p], layouts)
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -560,6 +591,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         parameter's device; step, seed and scalar states stay on the CPU, where `init_state` makes them. The
         saved state layout, rounding and seed become this optimizer's (for parameters without state yet)."""
         loaded = checkpoint.check_state_dict(self.spec, state_dict, self.param_groups, self._keywords, self._names)
+        for p, values in loaded.states.items():
+            if tensor_parallel.is_dtensor(p):  # this rank's shard of each state, whatever the saved placements
+                for key, t in values.items():
+                    values[key] = tensor_parallel.local_state(p, key, t)
         self.state.clear()
         self.state.update(loaded.states)
         for group, values in zip(self.param_groups, loaded.groups):

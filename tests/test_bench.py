@@ -88,9 +88,9 @@ def test_model_smoke(tmp_path, capsys):
     # FORGE takes the loss without logits by default, the others --loss; the table says which
     assert rows["forge-bf16"]["loss"] == "fused-head" and rows["torch-adamw"]["loss"] == "transformers"
     assert data["settings"]["loss"] == "transformers" and data["settings"]["forge_head"] is True
-    lines = {line.split("|")[5].strip(): line for line in model.table(data["rows"]).splitlines()[2:]}
-    assert [c.strip() for c in lines["forge-bf16"].split("|")[6:8]] == ["fused-head", "ok"]
-    assert [c.strip() for c in lines["torch-adamw"].split("|")[6:8]] == ["transformers", "ok"]
+    lines = {line.split("|")[6].strip(): line for line in model.table(data["rows"]).splitlines()[2:]}
+    assert [c.strip() for c in lines["forge-bf16"].split("|")[5:9]] == ["1", "forge-bf16", "fused-head", "ok"]
+    assert [c.strip() for c in lines["torch-adamw"].split("|")[7:9]] == ["transformers", "ok"]
 
 
 def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monkeypatch):
@@ -620,6 +620,40 @@ def test_convergence_smoke(tmp_path, capsys):
             assert r[key] >= 0
 
 
+def test_model_tp_runs_under_torchrun_on_two_processes(tmp_path):
+    """`forge-bench model --tp 2` under torchrun (gloo, the interpreter): each method's model sharded before it
+    is materialized (tensor parallelism; FSDP2 for fsdp2-torch-adamw), rank 0 writing one row per method with every
+    rank's peak; a refusal (int8 state on a shard narrower than a block) is that row's status."""
+    import os
+    import socket
+
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port),
+           "-m", "forge_dsl.bench", "model", "--tp", "2", "--device", "cpu", "--models", "tiny-llama", "--methods",
+           "forge-bf16,forge-int8,torch-adamw,fsdp2-torch-adamw", "--seq", "16", "--warmup", "1", "--steps", "1",
+           "--checkpointing", "on", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (json_path,) = tmp_path.glob("model-*.json")
+    data = json.loads(json_path.read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert data["settings"]["tp"] == 2 and list(rows) == ["forge-bf16", "forge-int8", "torch-adamw",
+                                                         "fsdp2-torch-adamw"]
+    for name in ("forge-bf16", "torch-adamw", "fsdp2-torch-adamw"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["tp"] == 2 and len(r["peak_gib_ranks"]) == 2, r
+        assert r["step_ms"] > 0 and r["activations_gib"] > 0
+    assert rows["forge-bf16"]["sharding"] == "tensor-parallel" and rows["forge-bf16"]["tokens"] == 16
+    assert rows["fsdp2-torch-adamw"]["sharding"] == "fsdp2" and rows["fsdp2-torch-adamw"]["tokens"] == 32
+    assert "splits a block of 64" in rows["forge-int8"]["status"]
+    assert "2 (tensor-parallel)" in done.stdout and "2 (fsdp2)" in done.stdout
+    assert done.stdout.count("wrote ") == 2  # rank 0 alone reports
+
+
 def test_bad_options_are_one_line_errors(tmp_path):
     with pytest.raises(SystemExit, match="unknown shape 'llama9'"):
         main(["kernel", *CPU, "--out", str(tmp_path), "--shapes", "llama9"])
@@ -627,6 +661,10 @@ def test_bad_options_are_one_line_errors(tmp_path):
         main(["kernel", *CPU, "--out", str(tmp_path), "--specs", "adamx"])
     with pytest.raises(SystemExit, match="unknown methods"):
         main(["model", *CPU, "--out", str(tmp_path), "--methods", "sgd"])
+    with pytest.raises(SystemExit, match="run them with --tp N"):
+        main(["model", *CPU, "--out", str(tmp_path), "--methods", "fsdp2-torch-adamw"])
+    with pytest.raises(SystemExit, match="runs under torchrun with 2 processes"):
+        main(["model", *CPU, "--out", str(tmp_path), "--tp", "2"])
     with pytest.raises(SystemExit, match="--timing graph needs a CUDA device"):
         main(["kernel", *CPU, "--out", str(tmp_path), "--timing", "graph"])
 

@@ -78,6 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"forge-bench {args.subcommand}: {err}") from None
     finally:
         torch.set_num_threads(threads)
+    if results is None:  # a rank other than 0 of a sharded run (forge-bench model --tp N): rank 0 reports
+        return 0
     print(f"wrote {results.json_path}")
     print(f"wrote {results.png_path}\n" if results.png_path else "no PNG (pip install matplotlib)\n")
     print(table)

@@ -73,10 +73,12 @@ import torch
 
 import forge_dsl
 
+from .. import tensor_parallel
 from ..consumed_grad import ConsumedGrad
 from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
                      synchronize)
 from .lean_loss import causal_lm_loss_inplace
+from .parallel import FSDP_METHODS, Parallel, gather_row, local_nbytes
 
 LR = 1e-5
 
@@ -98,6 +100,11 @@ MODELS = {
         vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
         num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_parameters=_QWEN3_ROPE, tie_word_embeddings=False)),
+    # with --tp N only: too large for one H200 with any optimizer state
+    "llama3.1-70b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_LLAMA31_ROPE, tie_word_embeddings=False)),
     # --quick on a GPU: Llama-3.1-8B's layer and vocabulary, 2 layers
     "llama3.1-8b-2layers": ("LlamaConfig", dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
@@ -129,17 +136,23 @@ class Method:
     fused_head: bool = False  # FORGE: can compute the loss without logits (ForgeOptimizer's lm_head_loss)
 
 
-def _stepper(opt: torch.optim.Optimizer) -> Callable[[], None]:
+def _stepper(*optimizers: torch.optim.Optimizer) -> Callable[[], None]:
     def finish():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-    finish.optimizer = opt
+    finish.optimizer = optimizers[0]
     return finish
 
 
 def _torch_adamw(model):
-    return _stepper(torch.optim.AdamW(model.parameters(), lr=LR, fused=True))
+    """torch AdamW(fused=True); under tensor parallelism one for the DTensor shards and one for the replicated
+    plain parameters (the norms), since a fused launch takes tensors of one kind."""
+    params = list(model.parameters())
+    sharded = [p for p in params if tensor_parallel.is_dtensor(p)]
+    plain = [p for p in params if not tensor_parallel.is_dtensor(p)]
+    return _stepper(*(torch.optim.AdamW(g, lr=LR, fused=True) for g in (sharded, plain) if g))
 
 
 def _in_backward(model, make_optimizer: Callable[[list], torch.optim.Optimizer]):
@@ -220,7 +233,10 @@ METHODS = {m.name: m for m in (
     Method("torchao-adamw8bit", _torchao_adamw8bit, needs="torchao"),
     Method("bnb-adamw8bit", _bnb_adamw8bit, needs="bitsandbytes"),
     Method("bnb-adamw8bit-in-backward", _bnb_adamw8bit_in_backward, needs="bitsandbytes"),
+    Method("fsdp2-torch-adamw", _torch_adamw),  # with --tp N only: FSDP2 over the N ranks (bench/parallel.py)
 )}
+SINGLE_GPU_METHODS = [name for name in METHODS if name not in FSDP_METHODS]
+TP_METHODS = ["forge-bf16", "forge-int8", "forge-int4", "torch-adamw", *FSDP_METHODS]
 # Not in the default list: FORGE with every linear layer's update on one path, to compare the paths
 # that `linear_path="auto"` chooses between; and FORGE without reused launches, to measure them.
 PATH_METHODS = {m.name: m for m in (
@@ -260,6 +276,10 @@ def add_arguments(ap) -> None:
                          "it); default: off")
     ap.add_argument("--warmup", type=int, default=2, help="steps before measuring (default 2)")
     ap.add_argument("--steps", type=int, default=4, help="measured steps, median taken (default 4)")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="shard each model over N GPUs of this host, run under torchrun --nproc-per-node N: "
+                         "tensor parallelism, or FSDP2 for fsdp2-torch-adamw (forge_dsl/bench/parallel.py; default "
+                         f"1; default methods with N > 1: {','.join(TP_METHODS)})")
 
 
 def _choose(text: Optional[str], default: list[str], known, what: str) -> list[str]:
@@ -274,8 +294,14 @@ def resolve_settings(args, device: torch.device) -> dict:
     cpu = device.type != "cuda"
     models = _choose(args.models, ["tiny-llama"] if cpu else
                      (["llama3.1-8b-2layers"] if args.quick else FULL_MODELS), MODELS, "models")
-    methods = _choose(args.methods, ["torch-adamw", "forge-bf16"] if args.quick else list(METHODS),
-                      ALL_METHODS, "methods")
+    tp = getattr(args, "tp", 1)
+    if tp < 1:
+        raise UsageError(f"--tp must be at least 1, got {tp}")
+    methods = _choose(args.methods, ["torch-adamw", "forge-bf16"] if args.quick else
+                      (TP_METHODS if tp > 1 else SINGLE_GPU_METHODS), ALL_METHODS, "methods")
+    if tp == 1 and any(m in FSDP_METHODS for m in methods):
+        raise UsageError(f"{', '.join(FSDP_METHODS)} shard the model over several GPUs: run them with --tp N (N > 1) "
+                         "under torchrun")
     try:
         seqs = [int(s) for s in args.seq.split(",")] if args.seq else \
             ([32] if cpu else ([512] if args.quick else [512, 2048]))
@@ -287,7 +313,8 @@ def resolve_settings(args, device: torch.device) -> dict:
     return {"models": models, "methods": methods, "batch": 1, "seq": seqs,
             "checkpointing": [False, True] if checkpointing == "both" else [checkpointing == "on"],
             "compile": [False, True] if args.compile == "both" else [args.compile == "on"],
-            "loss": args.loss, "forge_head": args.forge_head == "on", "warmup_steps": args.warmup, "measured_steps": args.steps, "lr": LR, "dtype": "bf16",
+            "loss": args.loss, "forge_head": args.forge_head == "on", "warmup_steps": args.warmup,
+            "measured_steps": args.steps, "lr": LR, "dtype": "bf16", "tp": tp,
             "dims": {m: MODELS[m][1] for m in models}}
 
 
@@ -296,8 +323,10 @@ def resolve_settings(args, device: torch.device) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def build_model(name: str, device: torch.device) -> torch.nn.Module:
-    """A random-init bf16 causal LM of the named shape, built on meta and materialized on `device`."""
+def build_model(name: str, device: torch.device,
+                shard: Optional[Callable[[torch.nn.Module], None]] = None) -> torch.nn.Module:
+    """A random-init bf16 causal LM of the named shape, built on meta and materialized on `device`; `shard`
+    (bench/parallel.py) shards it on meta first, so that only this rank's shard is ever allocated."""
     import transformers
 
     config_class, dims = MODELS[name]
@@ -305,6 +334,8 @@ def build_model(name: str, device: torch.device) -> torch.nn.Module:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                               attn_implementation="sdpa")
+    if shard is not None:
+        shard(model)
     model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
@@ -343,11 +374,11 @@ class SavedBytes:
         self._hooks = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.exclude and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.bytes += storage.nbytes()
+        for storage in _storages(t):
+            ptr = storage.data_ptr()
+            if ptr not in self.exclude and ptr not in self.seen:
+                self.seen.add(ptr)
+                self.bytes += storage.nbytes()
         return t
 
     def __enter__(self) -> "SavedBytes":
@@ -358,6 +389,18 @@ class SavedBytes:
     def __exit__(self, *exc) -> None:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
+
+
+def _storages(t: torch.Tensor) -> list:
+    """The storages holding `t`'s data: its own, or a tensor subclass's inner tensors' (a DTensor's local shard, a
+    functional collective's result), which are what the allocator holds."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = (getattr(t, name) for name in names)
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
+    return [t.untyped_storage()]
 
 
 class StepMemory:
@@ -404,8 +447,9 @@ class StepMemory:
 
 
 def materialized_grad_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters' .grad; a fused weight's .grad after its update is a ConsumedGrad, which holds none."""
-    return sum(p.grad.nbytes for p in model.parameters()
+    """Bytes of the parameters' .grad (this rank's shards); a fused weight's .grad after its update is a
+    ConsumedGrad, which holds none."""
+    return sum(local_nbytes(p.grad) for p in model.parameters()
                if p.grad is not None and not isinstance(p.grad, ConsumedGrad))
 
 
@@ -417,7 +461,7 @@ def instrument(model: torch.nn.Module, get_meter: Callable[[], Optional[StepMemo
     backward. `hook_head` must be False under the fused head, which refuses a head with forward hooks (it never
     calls the head). Returns the remover."""
     decoder, head = model.model, (getattr(model, "lm_head", None) if hook_head else None)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {storage.data_ptr() for p in model.parameters() for storage in _storages(p)}
     counting: list = []
 
     def before_decoder(module, args, kwargs):
@@ -496,13 +540,16 @@ def resident_at_peak(meter: StepMemory, weights: int, state: int, leftover: int)
 
 
 def measure(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device,
-            settings: dict, compiled: bool = False) -> dict:
-    """Build, warm up and time one (model, method, tokens, checkpointing) run; memory in bytes (None off CUDA)."""
+            settings: dict, compiled: bool = False, parallel: Optional[Parallel] = None) -> dict:
+    """Build, warm up and time one (model, method, tokens, checkpointing) run; memory in bytes (None off CUDA).
+    With `parallel`, the model is sharded over its ranks (bench/parallel.py) and this rank's share measured."""
+    from .parallel import shard
+
     leftover = allocated_bytes(device)  # what an earlier run left behind (should be ~0)
-    model = build_model(name, device)
+    model = build_model(name, device, shard(method.name, parallel) if parallel is not None else None)
     if checkpointing:
         enable_checkpointing(model)
-    weights = sum(p.nbytes for p in model.parameters())
+    weights = sum(local_nbytes(p) for p in model.parameters())
     allocated_with_weights = allocated_bytes(device)
     head = fused_head_applies(model, method, settings, compiled)
     loss_name = FUSED_HEAD if head else settings["loss"]
@@ -575,16 +622,20 @@ def _run_steps(model, finish, seq: int, device: torch.device, settings: dict, lo
 
 
 def run_one(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device, settings: dict,
-            compiled: bool = False) -> dict:
+            compiled: bool = False, parallel: Optional[Parallel] = None) -> dict:
     """One row; a missing package, an OOM or another failure is a result (the remaining runs still run)."""
     expected_loss = FUSED_HEAD if method.fused_head and settings.get("forge_head") and not compiled \
         else settings["loss"]  # what an OOM or error row would have used (every model here takes the fused head)
-    row = {"model": name, "method": method.name, "loss": expected_loss, "batch": 1, "seq": seq, "tokens": seq,
-           "checkpointing": checkpointing, "compiled": compiled, "status": "ok"}
+    # under FSDP2 every rank trains on its own sequence (data parallelism); under tensor parallelism all on one
+    sequences = parallel.world if parallel is not None and method.name in FSDP_METHODS else 1
+    row = {"model": name, "method": method.name, "loss": expected_loss, "batch": sequences, "seq": seq,
+           "tokens": seq * sequences, "checkpointing": checkpointing, "compiled": compiled, "status": "ok",
+           "tp": parallel.world if parallel is not None else 1,
+           "sharding": None if parallel is None else ("fsdp2" if sequences > 1 else "tensor-parallel")}
     if method.needs and importlib.util.find_spec(method.needs) is None:
         return {**row, "status": "not installed"}
     try:
-        m = measure(name, method, seq, checkpointing, device, settings, compiled)
+        m = measure(name, method, seq, checkpointing, device, settings, compiled, parallel)
     except Exception as err:  # the caller frees memory once the traceback is gone
         if is_oom(err):
             # what was allocated when it failed, and the allocator's own account of what was over
@@ -593,7 +644,7 @@ def run_one(name: str, method: Method, seq: int, checkpointing: bool, device: to
         return {**row, "status": f"error: {type(err).__name__}: {str(err)[:300]}"}
     pools = ("peak", "weights", "optimizer_state", "gradients", "logits", "activations", "rest", "leftover")
     return {**row, "loss": m["loss"], "params": m["params"], "step_ms": m["step_ms"], "step_ms_all": m["step_ms_all"],
-            "tokens_per_s": seq / m["step_ms"] * 1e3, **{f"{k}_gib": gib(m[k]) for k in pools},
+            "tokens_per_s": row["tokens"] / m["step_ms"] * 1e3, **{f"{k}_gib": gib(m[k]) for k in pools},
             "peak_phase": m["peak_phase"],
             "at_peak_gib": None if m["at_peak"] is None else {k: gib(v) for k, v in m["at_peak"].items()}}
 
@@ -605,19 +656,32 @@ def is_oom(err: BaseException) -> bool:
         "CUBLAS_STATUS_ALLOC_FAILED" in text
 
 
-def run(args, argv: list[str], device: torch.device) -> tuple[Results, str]:
-    """Every (model, tokens, checkpointing, method) in a fresh state; the results and the table."""
+def run(args, argv: list[str], device: torch.device) -> tuple[Optional[Results], str]:
+    """Every (model, tokens, checkpointing, method) in a fresh state; the results and the table (with --tp N,
+    on rank 0; the other ranks return (None, ""))."""
     settings = resolve_settings(args, device)
-    results = Results("model", argv, args.out, args.quick, device, settings)
+    parallel = None
+    if settings["tp"] > 1:
+        from .parallel import init
+
+        parallel, device = init(settings["tp"], device)
+    lead = parallel is None or parallel.rank == 0
+    results = Results("model", argv, args.out, args.quick, device, settings) if lead else None
     grid = list(itertools.product(settings["models"], settings["seq"], settings["checkpointing"],
                                   settings.get("compile", [False]), settings["methods"]))
-    progress = Progress(len(grid))
+    progress = Progress(len(grid)) if lead else None
     for name, seq, ckpt, compiled, method_name in grid:
         label = f"{name} 1x{seq} ckpt {'on' if ckpt else 'off'}{' compiled' if compiled else ''} {method_name}"
-        progress.show(label)
-        results.add(run_one(name, ALL_METHODS[method_name], seq, ckpt, device, settings, compiled))
+        if lead:
+            progress.show(label)
+        row = gather_row(run_one(name, ALL_METHODS[method_name], seq, ckpt, device, settings, compiled, parallel),
+                         parallel)
         free_memory(device)
-        progress.advance(label)
+        if lead:
+            results.add(row)
+            progress.advance(label)
+    if not lead:
+        return None, ""
     progress.close()
     results.plot(plot)
     return results, table(results.rows)
@@ -652,13 +716,16 @@ def peak_pools(row: dict) -> dict:
 def table(rows: list[dict]) -> str:
     """One line a row: the peak, where in the step it is, its pools (adding up to it), and the sizes of the
     loss's own memory and the saved activations whether or not they are resident at the peak."""
-    headers = ["model", "tokens", "ckpt", "compiled", "method", "loss", "status", "peak GiB", "peak in", "step ms",
-               "tokens/s", *(f"{header} GiB" for _, header, _ in PEAK_POOLS), "loss own GiB", "saved act GiB"]
+    headers = ["model", "tokens", "ckpt", "compiled", "GPUs", "method", "loss", "status", "peak GiB", "peak in",
+               "step ms", "tokens/s", *(f"{header} GiB" for _, header, _ in PEAK_POOLS), "loss own GiB",
+               "saved act GiB"]
     body = []
     for r in rows:
         pools = peak_pools(r)
-        body.append([r["model"], f"1×{r['seq']}", "on" if r["checkpointing"] else "off",
-                     "yes" if r.get("compiled") else "no", r["method"],
+        gpus = r.get("tp", 1)  # sharded runs: the peak and pools are the GPU with the highest peak's
+        body.append([r["model"], f"{r.get('batch', 1)}×{r['seq']}", "on" if r["checkpointing"] else "off",
+                     "yes" if r.get("compiled") else "no", gpus if gpus == 1 else f"{gpus} ({r.get('sharding')})",
+                     r["method"],
                      r.get("loss", "transformers"),  # records from before v3 have no --loss
                      r["status"], r.get("peak_gib"), r.get("peak_phase"), r.get("step_ms"), r.get("tokens_per_s"),
                      *(pools[key] for key, _, _ in PEAK_POOLS), r.get("logits_gib"), r.get("activations_gib")])
