@@ -46,7 +46,10 @@ Exactness rules (each refused loudly when it cannot hold):
     `max_norm=inf`, which only measures, `clip_grad_norm_` returns NaN and
     scales nothing), `clip_grad_value_` raises too (clamp in the spec instead),
     and `max_grad_norm=` is not offered;
-  * `torch.autocast` over a fused layer raises: train a bf16 model instead.
+  * `torch.autocast` over a fused layer raises: train a bf16 model instead;
+  * a model sharded with tensor parallelism (DTensor weights) is fused shard by shard where each rank's dW is
+    complete, and the rest is stepped from reduced gradients (`forge_dsl.tensor_parallel`); fusing under data
+    parallelism (DDP, FSDP, a mesh with a data-parallel dimension) is refused at construction.
 """
 
 from __future__ import annotations
