@@ -37,12 +37,12 @@ def test_every_spec_and_layout_matches_one_process(tmp_path):
 
 
 def test_llama_plan_checkpoints_refusals_and_unfused_paths(tmp_path):
-    """torchtitan's Llama plan (sequence parallel norms, vocabulary-parallel embedding, column-parallel head)
-    against one process; stochastic rounding per shard; torch.distributed.checkpoint save on 2 ranks and load on
+    """torchtitan's Llama plan (sequence parallel norms, vocabulary-parallel embedding, column-parallel head) and
+    forge-bench's plan for a Hugging Face Llama (with activation checkpointing) against one process; stochastic rounding per shard; torch.distributed.checkpoint save on 2 ranks and load on
     2 ranks (int8, int4 and mixed state), and one process's state dict loaded into shards; what is refused
     (a shard that splits an int8 block, a 2-D mesh, DDP, FSDP) and what is stepped unfused (FSDP with
     fuse=False, a Linear fed sequence-sharded activations, an embedding and a Linear called twice a step)."""
-    run_checks(tmp_path, "check_llama_torchtitan_plan", "check_stochastic_rounding", "check_dcp_round_trip",
+    run_checks(tmp_path, "check_llama_torchtitan_plan", "check_hf_llama_bench_plan", "check_stochastic_rounding", "check_dcp_round_trip",
                "check_one_process_state_into_shards", "check_refusals", "check_fsdp_unfused_steps_exactly",
                "check_sequence_sharded_input_is_stepped_unfused", "check_layers_called_twice_step_unfused")
 

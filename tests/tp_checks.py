@@ -317,6 +317,39 @@ def check_llama_torchtitan_plan(rank, world, tmp):
             assert_matches(model, ref, f"llama, {spec}")
 
 
+def check_hf_llama_bench_plan(rank, world, tmp):
+    """A Hugging Face LlamaForCausalLM under `forge-bench model --tp`'s plan (`bench.parallel.llama_tp_plan`), with
+    transformers' loss and activation checkpointing, against one process: SGD with momentum, three steps."""
+    import transformers
+
+    from forge_dsl.bench.model import enable_checkpointing
+    from forge_dsl.bench.parallel import llama_tp_plan
+
+    mesh = init_device_mesh("cpu", (world,))
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).train()
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh, llama_tp_plan(model))
+    for m in (model, ref):
+        enable_checkpointing(m)
+    hypers = dict(lr=1e-2, momentum=0.9, weight_decay=0.1)
+    opt, ref_opt = ForgeOptimizer(model, "sgd_momentum", **hypers), ForgeOptimizer(ref, "sgd_momentum", **hypers)
+    for ids in llama_batches(3):
+        losses = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= REL * abs(losses[1]), losses
+    assert "fused in backward (16)" in opt.describe(), opt.describe()  # 14 Linears, the embedding, the head
+    assert_matches(model, ref, "HF Llama, the bench's plan")
+
+
 # ----------------------------------------------------------------------------
 # Checkpoints through torch.distributed.checkpoint
 # ----------------------------------------------------------------------------
