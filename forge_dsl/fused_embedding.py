@@ -152,10 +152,12 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, *, sink, padding_idx: Opt
     if outside is not None:
         if not isinstance(outside, torch.Tensor) or outside.dtype != torch.bool or outside.shape != ids.shape:
             raise ValueError("outside must be a bool tensor of the ids' shape, or None")
-        ids = ids.masked_fill(outside, 0)
     if not (torch.is_grad_enabled() and grad_of.requires_grad) or torch.compiler.is_compiling():
-        out = F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
-        return out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0)
+        if outside is None:
+            return F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+        out = F.embedding(ids.masked_fill(outside, 0), weight, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+                          sparse)
+        return out.masked_fill(outside.unsqueeze(-1), 0)
     if max_norm is not None:
         raise ValueError(f"max_norm={max_norm!r} cannot be fused: " + _MAX_NORM)
     if sparse:
@@ -211,15 +213,9 @@ class _FusedEmbeddingFn(torch.autograd.Function):
             return nothing
         if not ctx.sink.begin():  # not fused this step: the dense gradient, to autograd (or the sharded .grad)
             dense = _dense_grad(grad, ids, ctx.num_rows, ctx.padding_idx, ctx.scale_grad_by_freq, ctx.any_outside)
-            sharded = ctx.sharded
-            if sharded is None:
+            if ctx.sharded is None:
                 return None, dense, *nothing[2:]
-            dense = tensor_parallel.wrap(dense.to(sharded.dtype), sharded, tuple(sharded.placements), sharded.shape)
-            with torch.no_grad():
-                if sharded.grad is None:
-                    sharded.grad = dense
-                else:
-                    sharded.grad += dense
+            tensor_parallel.add_to_grad(ctx.sharded, dense)
             return nothing
         hand_rows(ids, grad, ctx.num_rows, ctx.sink, padding_idx=ctx.padding_idx,
                   scale_grad_by_freq=ctx.scale_grad_by_freq, tile_rows=ctx.tile_rows)

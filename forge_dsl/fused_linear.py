@@ -202,7 +202,7 @@ class _FusedHandle:
         if opt is None:
             dw = _dw(x, dy, weight)
             if tensor_parallel.is_dtensor(weight):
-                _add_to_grad(weight, tensor_parallel.wrap(dw, weight, tuple(weight.placements), weight.shape))
+                tensor_parallel.add_to_grad(weight, dw)
                 return None
             return dw
         opt._fused_update(weight, x, dy)
@@ -313,8 +313,9 @@ def fused_forward(module: torch.nn.Linear, handle: _FusedHandle, x: torch.Tensor
 
 def _sharded_forward(module: torch.nn.Linear, handle: _FusedHandle, x: torch.Tensor) -> torch.Tensor:
     """The forward of a fused Linear whose weight is a DTensor (tensor parallelism): `_ForgeLinearFn` on the local
-    shards, its output wrapped as the DTensor the sharding gives (`tensor_parallel.linear_sharding`). Where the sharding leaves each rank a partial dW (or under torch.compile), DTensor's own
-    linear runs and the weight is stepped from its reduced `.grad`."""
+    shards, its output wrapped as the DTensor the sharding gives (`tensor_parallel.linear_sharding`). Where the
+    sharding leaves each rank a partial dW (or under torch.compile), DTensor's own linear runs and the weight is
+    stepped from its reduced `.grad`."""
     sharding = tensor_parallel.linear_sharding(x, module.weight)
     if torch.compiler.is_compiling():
         sharding = "under torch.compile a sharded Linear runs DTensor's own linear"

@@ -157,6 +157,12 @@ def check_stochastic_rounding(rank, world, tmp):
         assert ((mine - want).abs() <= ulp).all(), name
         differ += int((mine != want).sum())
     assert differ > 0  # the bits are not one process's
+    # a replicated parameter stays one value on every rank: step() launches it apart from the shards beside it
+    # (up.bias, sharded, and down.bias, replicated, share a launch key), with the replicas' common bits
+    bias = model.down.bias.to_local().contiguous()
+    replicas = [torch.empty_like(bias) for _ in range(world)]
+    dist.all_gather(replicas, bias)
+    assert torch.equal(replicas[0], replicas[1])
     # ranks draw different bits: the same update applied to the same values rounds differently somewhere
     probe = nn.Linear(128, 256, bias=False).to(torch.bfloat16)
     with torch.no_grad():

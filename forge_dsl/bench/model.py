@@ -78,7 +78,7 @@ from ..consumed_grad import ConsumedGrad
 from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
                      synchronize)
 from .lean_loss import causal_lm_loss_inplace
-from .parallel import FSDP_METHODS, Parallel, gather_row, local_nbytes
+from .parallel import FSDP_METHODS, Parallel, gather_row, init, local_nbytes, shard
 
 LR = 1e-5
 
@@ -543,8 +543,6 @@ def measure(name: str, method: Method, seq: int, checkpointing: bool, device: to
             settings: dict, compiled: bool = False, parallel: Optional[Parallel] = None) -> dict:
     """Build, warm up and time one (model, method, tokens, checkpointing) run; memory in bytes (None off CUDA).
     With `parallel`, the model is sharded over its ranks (bench/parallel.py) and this rank's share measured."""
-    from .parallel import shard
-
     leftover = allocated_bytes(device)  # what an earlier run left behind (should be ~0)
     model = build_model(name, device, shard(method.name, parallel) if parallel is not None else None)
     if checkpointing:
@@ -662,8 +660,6 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Optional[Results],
     settings = resolve_settings(args, device)
     parallel = None
     if settings["tp"] > 1:
-        from .parallel import init
-
         parallel, device = init(settings["tp"], device)
     lead = parallel is None or parallel.rank == 0
     results = Results("model", argv, args.out, args.quick, device, settings) if lead else None
