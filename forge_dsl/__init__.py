@@ -9,8 +9,10 @@
 from .api import builtin_names, init_state, load_spec
 from .errors import SpecError
 from .ir import Spec
+from .offload import OffloadActivations
 from .optim import ForgeOptimizer, fuse
 from .reference import reference_step
 
-__all__ = ["ForgeOptimizer", "SpecError", "fuse", "Spec", "builtin_names", "init_state", "load_spec", "reference_step"]
+__all__ = ["ForgeOptimizer", "OffloadActivations", "SpecError", "fuse", "Spec", "builtin_names", "init_state",
+           "load_spec", "reference_step"]
 __version__ = "0.1.0"

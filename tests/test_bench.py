@@ -93,6 +93,23 @@ def test_model_smoke(tmp_path, capsys):
     assert [c.strip() for c in lines["torch-adamw"].split("|")[7:9]] == ["transformers", "ok"]
 
 
+def test_model_offload_moves_the_checkpointed_layers_inputs_to_the_host(tmp_path, capsys):
+    """--offload both: each row once with and once without OffloadActivations; with it, what the decoder saves
+    is on the host ("on host"), not counted on the device, and the table's checkpointing cell says so."""
+    data = run_bench(tmp_path, capsys, "model", "--checkpointing", "on", "--offload", "both",
+                     "--methods", "forge-bf16")
+    rows = {r["offload"]: r for r in data["rows"]}
+    assert set(rows) == {False, True} and data["settings"]["offload"] == [False, True]
+    for r in rows.values():
+        assert r["status"] == "ok" and r["checkpointing"] is True and r["step_ms"] > 0
+    kept, moved = rows[False], rows[True]
+    assert kept["offloaded_gib"] == 0 and moved["offloaded_gib"] > 0
+    # the same tensors are saved, one part of them on the host
+    assert moved["activations_gib"] + moved["offloaded_gib"] == pytest.approx(kept["activations_gib"])
+    cells = [line.split("|")[3].strip() for line in model.table(data["rows"]).splitlines()[2:]]
+    assert cells == ["on", "on + offload"]
+
+
 def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monkeypatch):
     from forge_dsl.kernels import launch
 

@@ -40,7 +40,9 @@ memory pools, each measured in the run itself:
                      ConsumedGrad holds none; in-backward methods have dropped theirs)
     activations      bytes the decoder's forward (model.model) saves for backward: every tensor packed by
                      torch.autograd.graph.saved_tensors_hooks during it, one count per storage, parameters
-                     left out (with checkpointing: the checkpointed layers' inputs and what lies outside them)
+                     left out (with checkpointing: the checkpointed layers' inputs and what lies outside them);
+                     with --offload on, what stays on the GPU ("on host": what forge_dsl.OffloadActivations
+                     moved to pinned host memory, not part of the peak)
     logits           the loss's own memory: the allocator's peak between the decoder's output and the
                      gradient reaching the logits (or, for the fused head, the decoder's output) in backward,
                      minus what was allocated at the decoder's output: the logits, their fp32 copies and
@@ -75,6 +77,7 @@ import forge_dsl
 
 from .. import tensor_parallel
 from ..consumed_grad import ConsumedGrad
+from ..offload import OffloadActivations
 from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
                      synchronize)
 from .lean_loss import causal_lm_loss_inplace
@@ -262,6 +265,10 @@ def add_arguments(ap) -> None:
                                   "(default 512,2048; --quick: 512; CPU: 32)")
     ap.add_argument("--checkpointing", choices=("off", "on", "both"),
                     help="activation checkpointing (default: both; --quick: off)")
+    ap.add_argument("--offload", choices=("off", "on", "both"), default="off",
+                    help="on: the forward's saved tensors of 1 MiB or more (with checkpointing: the checkpointed "
+                         "layers' inputs) kept in pinned host memory by forge_dsl.OffloadActivations, copied on a "
+                         "side stream and brought back ahead of their use in backward (default: off)")
     ap.add_argument("--loss", choices=tuple(LOSSES), default="transformers",
                     help="the loss of the non-FORGE methods (and of FORGE with --forge-head off): transformers: "
                          "model(..., labels=ids).loss; inplace: the same loss from fp32 chunks, its gradient "
@@ -312,6 +319,7 @@ def resolve_settings(args, device: torch.device) -> dict:
     checkpointing = args.checkpointing or ("off" if args.quick else "both")
     return {"models": models, "methods": methods, "batch": 1, "seq": seqs,
             "checkpointing": [False, True] if checkpointing == "both" else [checkpointing == "on"],
+            "offload": [False, True] if args.offload == "both" else [args.offload == "on"],
             "compile": [False, True] if args.compile == "both" else [args.compile == "on"],
             "loss": args.loss, "forge_head": args.forge_head == "on", "warmup_steps": args.warmup,
             "measured_steps": args.steps, "lr": LR, "dtype": "bf16", "tp": tp,
@@ -365,30 +373,45 @@ PHASES = ("forward", "loss", "backward", "optimizer")
 
 class SavedBytes:
     """Bytes of the tensors autograd saves for backward while entered (`torch.autograd.graph.saved_tensors_hooks`):
-    one count per storage, the storages whose data pointers are in `exclude` (the parameters) left out."""
+    one count per storage, the storages whose data pointers are in `exclude` (the parameters) left out. With
+    `offload` (an OffloadActivations, whose hooks these replace while entered), each tensor goes through it:
+    `bytes` counts what stays on the device, `offloaded` what it copied to host memory (its own count: a moved
+    tensor's device memory is freed and its address may be handed out again while entered)."""
 
-    def __init__(self, exclude: set) -> None:
+    def __init__(self, exclude: set, offload: Optional[OffloadActivations] = None) -> None:
         self.exclude = exclude
+        self.offload = offload
         self.seen: set = set()
         self.bytes = 0
+        self.offloaded = 0
+        self._offloaded_before = 0
         self._hooks = None
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor):
+        packed = self.offload.pack(t) if self.offload is not None else t
+        if packed is not t:
+            return packed
         for storage in _storages(t):
             ptr = storage.data_ptr()
             if ptr not in self.exclude and ptr not in self.seen:
                 self.seen.add(ptr)
                 self.bytes += storage.nbytes()
-        return t
+        return packed
+
+    def _unpack(self, packed):
+        return self.offload.unpack(packed) if self.offload is not None else packed
 
     def __enter__(self) -> "SavedBytes":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._offloaded_before = self.offload.bytes_offloaded if self.offload is not None else 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
+        if self.offload is not None:
+            self.offloaded = self.offload.bytes_offloaded - self._offloaded_before
 
 
 def _storages(t: torch.Tensor) -> list:
@@ -417,6 +440,7 @@ class StepMemory:
         self.allocated_at: dict = {}  # phase -> bytes allocated as it starts
         self.grads_at: dict = {}  # phase -> gradient bytes materialized as it starts
         self.activations: Optional[int] = None  # SavedBytes of the decoder's forward, when measured
+        self.offloaded: Optional[int] = None  # and what of it went to host memory (--offload on)
 
     def cut(self, next_phase: Optional[str]) -> None:
         if self.device.type != "cuda":
@@ -454,12 +478,12 @@ def materialized_grad_bytes(model: torch.nn.Module) -> int:
 
 
 def instrument(model: torch.nn.Module, get_meter: Callable[[], Optional[StepMemory]],
-               hook_head: bool = True) -> Callable[[], None]:
+               hook_head: bool = True, offload: Optional[OffloadActivations] = None) -> Callable[[], None]:
     """Hooks that cut the step of `get_meter()` (when it returns one) into phases and count the decoder's saved
     activations: the decoder (`model.model`) forward's end starts the loss; the gradient at `model.lm_head`'s
     output (with `hook_head`; else, and where the head is not called, at the decoder's output) starts the
     backward. `hook_head` must be False under the fused head, which refuses a head with forward hooks (it never
-    calls the head). Returns the remover."""
+    calls the head). With `offload`, the decoder's saved tensors still go through it. Returns the remover."""
     decoder, head = model.model, (getattr(model, "lm_head", None) if hook_head else None)
     params = {storage.data_ptr() for p in model.parameters() for storage in _storages(p)}
     counting: list = []
@@ -467,7 +491,7 @@ def instrument(model: torch.nn.Module, get_meter: Callable[[], Optional[StepMemo
     def before_decoder(module, args, kwargs):
         meter = get_meter()
         if meter is not None:
-            counting.append(SavedBytes(params).__enter__())
+            counting.append(SavedBytes(params, offload).__enter__())
 
     def after_decoder(module, args, kwargs, output):
         meter = get_meter()
@@ -476,7 +500,7 @@ def instrument(model: torch.nn.Module, get_meter: Callable[[], Optional[StepMemo
         if counting:
             saved = counting.pop()
             saved.__exit__(None, None, None)
-            meter.activations = saved.bytes
+            meter.activations, meter.offloaded = saved.bytes, saved.offloaded
         meter.cut("loss")
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
         if hidden.requires_grad:
@@ -500,13 +524,17 @@ def instrument(model: torch.nn.Module, get_meter: Callable[[], Optional[StepMemo
 
 
 def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: str,
-               meter: Optional[StepMemory] = None) -> int:
-    """Forward, backward, optimizer; returns the bytes of gradients materialized at the end of backward. With a
-    `meter`, the step's phases are cut at its start, after backward and at its end (the model's hooks from
-    `instrument` cut the rest)."""
+               meter: Optional[StepMemory] = None, offload: Optional[OffloadActivations] = None) -> int:
+    """Forward (within `offload` when given), backward, optimizer; returns the bytes of gradients materialized at
+    the end of backward. With a `meter`, the step's phases are cut at its start, after backward and at its end
+    (the model's hooks from `instrument` cut the rest)."""
     if meter is not None:
         meter.cut("forward")
-    loss = LOSS_FUNCTIONS[loss_name](model, ids)
+    if offload is not None:
+        with offload:
+            loss = LOSS_FUNCTIONS[loss_name](model, ids)
+    else:
+        loss = LOSS_FUNCTIONS[loss_name](model, ids)
     loss.backward()
     grad_bytes = materialized_grad_bytes(model)
     if meter is not None:
@@ -540,9 +568,11 @@ def resident_at_peak(meter: StepMemory, weights: int, state: int, leftover: int)
 
 
 def measure(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device,
-            settings: dict, compiled: bool = False, parallel: Optional[Parallel] = None) -> dict:
-    """Build, warm up and time one (model, method, tokens, checkpointing) run; memory in bytes (None off CUDA).
-    With `parallel`, the model is sharded over its ranks (bench/parallel.py) and this rank's share measured."""
+            settings: dict, compiled: bool = False, parallel: Optional[Parallel] = None,
+            offload: bool = False) -> dict:
+    """Build, warm up and time one (model, method, tokens, checkpointing, offload) run; memory in bytes (None off
+    CUDA). With `parallel`, the model is sharded over its ranks (bench/parallel.py) and this rank's share measured;
+    with `offload`, each forward runs within an OffloadActivations."""
     leftover = allocated_bytes(device)  # what an earlier run left behind (should be ~0)
     model = build_model(name, device, shard(method.name, parallel) if parallel is not None else None)
     if checkpointing:
@@ -556,13 +586,17 @@ def measure(name: str, method: Method, seq: int, checkpointing: bool, device: to
         if compiled:
             torch._dynamo.reset()  # each run compiles its own graphs
         runner = torch.compile(model) if compiled else model
+        # off CUDA (tiny shapes, the interpreter) every saved tensor is moved, for the bookkeeping to run
+        offloader = OffloadActivations(device=device.type, **({} if device.type == "cuda" else {"min_bytes": 1})) \
+            if offload else None
         grads, persistent, times, meter = _run_steps(runner, finish, seq, device, settings, loss_name,
-                                                     instrumented=not compiled)
+                                                     instrumented=not compiled, offload=offloader)
     finally:
         getattr(finish, "close", lambda: None)()
     timing = {"params": sum(p.numel() for p in model.parameters()), "step_ms": statistics.median(times),
               "step_ms_all": times, "leftover": leftover, "loss": loss_name,
-              "activations": meter.activations if not compiled else None}
+              "activations": meter.activations if not compiled else None,
+              "offloaded": meter.offloaded if not compiled else None}
     if device.type != "cuda":
         return {**timing, **dict.fromkeys(("peak", "weights", "optimizer_state", "gradients", "rest", "logits")),
                 "peak_phase": None, "at_peak": None}
@@ -589,28 +623,29 @@ def fused_head_applies(model: torch.nn.Module, method: Method, settings: dict, c
 
 
 def _run_steps(model, finish, seq: int, device: torch.device, settings: dict, loss_name: str,
-               instrumented: bool = True):
-    """Warm-up steps, then measured steps, each cut into phases by a StepMemory: (gradient bytes, memory between
-    steps, step times in ms, the StepMemory of all measured steps: each phase's largest peak)."""
+               instrumented: bool = True, offload: Optional[OffloadActivations] = None):
+    """Warm-up steps, then measured steps, each cut into phases by a StepMemory (each forward within `offload`
+    when given): (gradient bytes, memory between steps, step times in ms, the StepMemory of all measured steps:
+    each phase's largest peak)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = getattr(model, "_orig_mod", model).config.vocab_size
     ids = torch.randint(0, vocab, (1, seq), generator=gen).to(device)
     grads = 0
     for _ in range(settings["warmup_steps"]):
-        grads = train_step(model, ids, finish, loss_name)
+        grads = train_step(model, ids, finish, loss_name, offload=offload)
     synchronize(device)
     persistent = allocated_bytes(device)  # weights + optimizer state (+ small workspaces): gradients are freed
     meter = StepMemory(device, lambda: materialized_grad_bytes(model))
     active: list = []
-    remove = instrument(model, lambda: active[0] if active else None, hook_head=loss_name != FUSED_HEAD) \
-        if instrumented else (lambda: None)
+    remove = instrument(model, lambda: active[0] if active else None, hook_head=loss_name != FUSED_HEAD,
+                        offload=offload) if instrumented else (lambda: None)
     times = []
     try:
         for _ in range(settings["measured_steps"]):
             synchronize(device)
             active[:] = [meter]
             start = time.perf_counter()
-            train_step(model, ids, finish, loss_name, meter)
+            train_step(model, ids, finish, loss_name, meter, offload)
             synchronize(device)
             times.append((time.perf_counter() - start) * 1e3)
             active.clear()
@@ -620,27 +655,29 @@ def _run_steps(model, finish, seq: int, device: torch.device, settings: dict, lo
 
 
 def run_one(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device, settings: dict,
-            compiled: bool = False, parallel: Optional[Parallel] = None) -> dict:
+            compiled: bool = False, parallel: Optional[Parallel] = None, offload: bool = False) -> dict:
     """One row; a missing package, an OOM or another failure is a result (the remaining runs still run)."""
     expected_loss = FUSED_HEAD if method.fused_head and settings.get("forge_head") and not compiled \
         else settings["loss"]  # what an OOM or error row would have used (every model here takes the fused head)
     # under FSDP2 every rank trains on its own sequence (data parallelism); under tensor parallelism all on one
     sequences = parallel.world if parallel is not None and method.name in FSDP_METHODS else 1
     row = {"model": name, "method": method.name, "loss": expected_loss, "batch": sequences, "seq": seq,
-           "tokens": seq * sequences, "checkpointing": checkpointing, "compiled": compiled, "status": "ok",
+           "tokens": seq * sequences, "checkpointing": checkpointing, "offload": offload, "compiled": compiled,
+           "status": "ok",
            "tp": parallel.world if parallel is not None else 1,
            "sharding": None if parallel is None else ("fsdp2" if sequences > 1 else "tensor-parallel")}
     if method.needs and importlib.util.find_spec(method.needs) is None:
         return {**row, "status": "not installed"}
     try:
-        m = measure(name, method, seq, checkpointing, device, settings, compiled, parallel)
+        m = measure(name, method, seq, checkpointing, device, settings, compiled, parallel, offload)
     except Exception as err:  # the caller frees memory once the traceback is gone
         if is_oom(err):
             # what was allocated when it failed, and the allocator's own account of what was over
             return {**row, "status": "OOM", "allocated_at_oom_gib": gib(allocated_bytes(device)),
                     "oom_message": str(err)[:500]}
         return {**row, "status": f"error: {type(err).__name__}: {str(err)[:300]}"}
-    pools = ("peak", "weights", "optimizer_state", "gradients", "logits", "activations", "rest", "leftover")
+    pools = ("peak", "weights", "optimizer_state", "gradients", "logits", "activations", "offloaded", "rest",
+             "leftover")
     return {**row, "loss": m["loss"], "params": m["params"], "step_ms": m["step_ms"], "step_ms_all": m["step_ms_all"],
             "tokens_per_s": row["tokens"] / m["step_ms"] * 1e3, **{f"{k}_gib": gib(m[k]) for k in pools},
             "peak_phase": m["peak_phase"],
@@ -664,14 +701,16 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Optional[Results],
     lead = parallel is None or parallel.rank == 0
     results = Results("model", argv, args.out, args.quick, device, settings) if lead else None
     grid = list(itertools.product(settings["models"], settings["seq"], settings["checkpointing"],
-                                  settings.get("compile", [False]), settings["methods"]))
+                                  settings.get("offload", [False]), settings.get("compile", [False]),
+                                  settings["methods"]))
     progress = Progress(len(grid)) if lead else None
-    for name, seq, ckpt, compiled, method_name in grid:
-        label = f"{name} 1x{seq} ckpt {'on' if ckpt else 'off'}{' compiled' if compiled else ''} {method_name}"
+    for name, seq, ckpt, offload, compiled, method_name in grid:
+        label = f"{name} 1x{seq} ckpt {'on' if ckpt else 'off'}{' offload' if offload else ''}" \
+                f"{' compiled' if compiled else ''} {method_name}"
         if lead:
             progress.show(label)
-        row = gather_row(run_one(name, ALL_METHODS[method_name], seq, ckpt, device, settings, compiled, parallel),
-                         parallel)
+        row = gather_row(run_one(name, ALL_METHODS[method_name], seq, ckpt, device, settings, compiled, parallel,
+                                 offload), parallel)
         free_memory(device)
         if lead:
             results.add(row)
@@ -714,18 +753,24 @@ def table(rows: list[dict]) -> str:
     loss's own memory and the saved activations whether or not they are resident at the peak."""
     headers = ["model", "tokens", "ckpt", "compiled", "GPUs", "method", "loss", "status", "peak GiB", "peak in",
                "step ms", "tokens/s", *(f"{header} GiB" for _, header, _ in PEAK_POOLS), "loss own GiB",
-               "saved act GiB"]
+               "saved act GiB", "on host GiB"]
     body = []
     for r in rows:
         pools = peak_pools(r)
         gpus = r.get("tp", 1)  # sharded runs: the peak and pools are the GPU with the highest peak's
-        body.append([r["model"], f"{r.get('batch', 1)}×{r['seq']}", "on" if r["checkpointing"] else "off",
+        body.append([r["model"], f"{r.get('batch', 1)}×{r['seq']}", _ckpt_label(r),
                      "yes" if r.get("compiled") else "no", gpus if gpus == 1 else f"{gpus} ({r.get('sharding')})",
                      r["method"],
                      r.get("loss", "transformers"),  # records from before v3 have no --loss
                      r["status"], r.get("peak_gib"), r.get("peak_phase"), r.get("step_ms"), r.get("tokens_per_s"),
-                     *(pools[key] for key, _, _ in PEAK_POOLS), r.get("logits_gib"), r.get("activations_gib")])
+                     *(pools[key] for key, _, _ in PEAK_POOLS), r.get("logits_gib"), r.get("activations_gib"),
+                     r.get("offloaded_gib")])
     return format_table(headers, body)
+
+
+def _ckpt_label(row: dict) -> str:
+    """The table's checkpointing cell: on / off, and "+ offload" for a run with --offload on."""
+    return ("on" if row["checkpointing"] else "off") + (" + offload" if row.get("offload") else "")
 
 
 def plot(plt, results: Results):
@@ -748,7 +793,7 @@ def plot(plt, results: Results):
         time_ax.barh(y, r["step_ms"], color="gray", height=0.7)
     if all(r.get("peak_gib") is None for r in rows):
         mem.text(0.5, 0.5, "memory is measured on CUDA only", transform=mem.transAxes, ha="center")
-    labels = [f"{r['model']} 1×{r['seq']} ckpt {'on' if r['checkpointing'] else 'off'} · {r['method']} · "
+    labels = [f"{r['model']} 1×{r['seq']} ckpt {_ckpt_label(r)} · {r['method']} · "
               f"{r.get('loss', 'transformers')}" for r in rows]
     mem.set_yticks(range(len(rows)), labels, fontsize=7)
     mem.invert_yaxis()
