@@ -84,13 +84,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     min_bytes: the smallest tensor moved (default 1 MiB: below it a transfer costs more than it frees).
     device: the device type whose tensors are moved ("cuda"; "cpu" runs the same bookkeeping with synchronous
     copies, for tests). prefetch: start bringing back the tensor saved before the one backward unpacks (default
-    True; False copies each back when it is unpacked, on the compute stream).
+    True; False copies each back when it is unpacked, on the compute stream). max_in_flight_bytes: how many bytes
+    of saved tensors may wait for their copy to the host (default 256 MiB); beyond it, saving waits for the oldest
+    copy. The host queues work far ahead of the GPU, and a tensor's device memory can only be reused once its copy
+    ran: without this bound, a forward whose host runs ahead would hold every saved tensor on the device anyway.
 
     Reusable: enter it once a forward. Backward may run after exiting. Streams: device→host copies run on a side
     stream after what the compute stream had queued when the tensor was saved; the compute stream waits for a
     host→device copy before using its result."""
 
-    def __init__(self, min_bytes: int = 1 << 20, device: str = "cuda", prefetch: bool = True) -> None:
+    def __init__(self, min_bytes: int = 1 << 20, device: str = "cuda", prefetch: bool = True,
+                 max_in_flight_bytes: int = 256 << 20) -> None:
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
             raise TypeError(f"OffloadActivations(): min_bytes must be an int, not {type(min_bytes).__name__}.")
         if min_bytes < 0:
@@ -99,6 +103,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(f"OffloadActivations(): device must be 'cuda' or 'cpu', got {device!r}.")
         if not isinstance(prefetch, bool):
             raise TypeError(f"OffloadActivations(): prefetch must be a bool, not {type(prefetch).__name__}.")
+        if isinstance(max_in_flight_bytes, bool) or not isinstance(max_in_flight_bytes, int):
+            raise TypeError("OffloadActivations(): max_in_flight_bytes must be an int, not "
+                            f"{type(max_in_flight_bytes).__name__}.")
+        if max_in_flight_bytes < 0:
+            raise ValueError(f"OffloadActivations(): max_in_flight_bytes must be >= 0, got {max_in_flight_bytes}.")
+        self.max_in_flight_bytes = max_in_flight_bytes
         self.min_bytes = min_bytes
         self.device_type = device
         self.prefetch = prefetch
@@ -211,6 +221,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         copied = side.record_event()
         entry = _Offloaded(host, tensor, copied)
         self._pending.append(entry)
+        self._bound_in_flight()
         return entry
 
     def _release_copied(self) -> None:
@@ -224,6 +235,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             else:
                 still.append(entry)
         self._pending = still
+
+    def _bound_in_flight(self) -> None:
+        """Wait (on the host) for the oldest copies to the host until at most max_in_flight_bytes are in flight
+        beside the newest one, and release their device tensors."""
+        while len(self._pending) > 1 and \
+                sum(e.host.numel() * e.host.element_size() for e in self._pending[:-1]) > self.max_in_flight_bytes:
+            self._pending[0].copied.synchronize()
+            self._release_copied()
 
     def _copy_to_device(self, entry: _Offloaded) -> torch.Tensor:
         """The host copy back on the device, on the compute stream (ordered before whatever uses it)."""

@@ -200,6 +200,8 @@ def test_the_device_tensor_is_freed_once_copied():
     ({"min_bytes": -1}, ValueError, "min_bytes must be >= 0"),
     ({"device": "xpu"}, ValueError, "device must be 'cuda' or 'cpu'"),
     ({"prefetch": 1}, TypeError, "prefetch must be a bool"),
+    ({"max_in_flight_bytes": 2.0}, TypeError, "max_in_flight_bytes must be an int"),
+    ({"max_in_flight_bytes": -1}, ValueError, "max_in_flight_bytes must be >= 0"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, words):
     with pytest.raises(error, match=words):
@@ -245,3 +247,46 @@ def test_checkpoint_inputs_leave_the_gpu():
     moved = forward_bytes(offload)
     layer_input = 2 * 2048 * 64 * 4
     assert kept - moved >= 4 * layer_input
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit_mib", [0, 2])
+def test_a_forward_ahead_of_the_gpu_holds_at_most_max_in_flight_bytes_waiting_for_their_copies(limit_mib):
+    """The compute stream is held busy, so no copy to the host can run: saving waits for the oldest copy once more
+    than max_in_flight_bytes wait beside the newest, and what stays allocated is bounded by it."""
+    mib = 1 << 20
+    offload = OffloadActivations(max_in_flight_bytes=limit_mib * mib)
+    x = torch.randn(mib // 4, device="cuda", requires_grad=True)
+    ys = []
+    torch.cuda.synchronize()
+    with offload:
+        torch.cuda._sleep(20_000_000)
+        before = torch.cuda.memory_allocated()
+        for _ in range(8):
+            ys.append((x * 2.0).sin())  # sin saves its 1 MiB input
+            in_flight = sum(e.host.numel() * e.host.element_size() for e in offload._pending)
+            assert in_flight <= (limit_mib + 1) * mib
+            # the saved inputs still on the device: the ones waiting for their copies
+            assert torch.cuda.memory_allocated() - before <= 8 * mib + (limit_mib + 1) * mib
+    sum(y.sum() for y in ys).backward()
+    expected = sum((x.detach() * 2.0).cos() * 2.0 for _ in range(8))
+    assert torch.allclose(x.grad, expected)
+    assert offload.bytes_offloaded == 8 * mib
+
+
+def test_a_compiled_module_saves_through_it_bit_for_bit():
+    """torch.compile's graphs save their tensors for backward at run time, so they go through the hooks too."""
+    torch.manual_seed(6)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).to(DEVICE)
+    compiled = torch.compile(net)
+    x = torch.randn(16, 32, device=DEVICE)
+    grads = []
+    offload = OffloadActivations(min_bytes=1, device=DEVICE.type)
+    for context in (contextlib.nullcontext(), offload):
+        with context:
+            y = compiled(x).square().sum()
+        y.backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+        net.zero_grad(set_to_none=True)
+    assert offload.bytes_offloaded > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

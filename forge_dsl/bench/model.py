@@ -16,6 +16,10 @@ and on, AdamW (lr 1e-5, torch defaults otherwise) run by:
     bnb-adamw8bit-in-backward   one bitsandbytes AdamW8bit per parameter, stepped by a post-accumulate-grad
                                 hook that then drops the gradient, as torch-adamw-in-backward does
 
+With `--offload on`, each forward runs within a `forge_dsl.OffloadActivations`: the checkpointed layers' inputs
+(and any other saved tensor of 1 MiB or more) wait for backward in pinned host memory; the table's checkpointing
+cell says "on + offload".
+
 The loss is transformers' causal-LM cross-entropy (labels = the ids shifted by
 one).  For the FORGE methods with `--forge-head on` (the default) it is
 `forge_dsl.fused_head`'s loss without logits (`model(input_ids, labels=ids)` of the
