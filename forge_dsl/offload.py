@@ -27,6 +27,7 @@ so that the bookkeeping runs, and is tested, on machines without a GPU.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Optional
 
@@ -112,6 +113,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.min_bytes = min_bytes
         self.device_type = device
         self.prefetch = prefetch
+        self._lock = threading.Lock()  # backward unpacks on autograd's threads, one a device
         self._streams: dict = {}  # device -> side stream for the copies
         self._pending: list[_Offloaded] = []  # device→host copies whose source is still held
         self._by_order: dict[int, weakref.ref] = {}  # place in the order of saves -> entry, to prefetch backwards
@@ -125,12 +127,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self.pack, self.unpack)
 
     def __enter__(self):
-        self._forget_dead()
+        with self._lock:
+            self._forget_dead()
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
-        self._release_copied()
+        with self._lock:
+            self._release_copied()
 
     # ---- the hooks -------------------------------------------------------------------------------------------
 
@@ -138,6 +142,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         """The saved-tensor pack hook: `tensor` itself, or a `_Saved` whose host copy is on its way."""
         if not self._offloadable(tensor):
             return tensor
+        with self._lock:
+            return self._pack(tensor)
+
+    def unpack(self, saved):
+        """The saved-tensor unpack hook: the device tensor with the values saved."""
+        if not isinstance(saved, _Saved):
+            return saved
+        with self._lock:
+            return self._unpack(saved)
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
         shared = self._by_tensor.get(id(tensor))
         entry = None
         if shared is not None:
@@ -152,10 +167,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._by_order[order] = weakref.ref(entry)
         return _Saved(entry, order)
 
-    def unpack(self, saved):
-        """The saved-tensor unpack hook: the device tensor with the values saved."""
-        if not isinstance(saved, _Saved):
-            return saved
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
         packed = saved.entry
         self._release_copied()
         if packed.modified or (packed.source is not None and packed.source._version != packed.version):

@@ -74,6 +74,17 @@ def test_kernel_smoke(tmp_path, capsys):
     assert rows["lion"]["dw_torch_ms"] is None and rows["lion"]["torch_step"] is None
 
 
+def test_kernel_int4_layout(tmp_path, capsys):
+    data = run_bench(tmp_path, capsys, "kernel", "--config", "32,64,64,4,1", "--specs", "lion", "--layouts",
+                     "int8,int4")
+    rows = {r["layout"]: r for r in data["rows"]}
+    assert set(rows) == {"int8", "int4"}
+    for r in rows.values():
+        assert r["errors"] == {} and r["fused_ms"] > 0 and r["dw_ours_ms"] > 0
+    # the same weight, activations and scales; the state's codes half the bytes
+    assert rows["int4"]["bytes"] < rows["int8"]["bytes"]
+
+
 def test_model_smoke(tmp_path, capsys):
     data = run_bench(tmp_path, capsys, "model")
     rows = {r["method"]: r for r in data["rows"]}

@@ -40,12 +40,17 @@ CASES += [(name, "fp32", {"momentum": 0.9} if name == "sgd_momentum" else {}, "6
 CASES += [(name, "int8", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,5,split=4,ws=8,prefetch=0",
            "bf16") for name in forge_dsl.builtin_names()]
 CASES += [("adamw", "bf16", {}, "32,128,128,4,2,split=4,ws=4", "bf16")]
+# ... with int4 state (its default at 2048 tokens), and int4 state in the Triton kernel
+CASES += [(name, "int4", {"momentum": 0.9} if name == "sgd_momentum" else {}, None, "bf16")
+          for name in forge_dsl.builtin_names()]
+CASES += [(name, "int4", {}, "64,128,64,8,4,0,1,maxnreg=128", "bf16") for name in ("adamw", "rmsprop")]  # QUANTIZED_TILES
 # ... with its MMA warps updating one slice of each tile (NAdam: the most registers)
 CASES += [(name, "bf16", {}, "64,128,128,8,5,split=4,ws=8,mmaslices=1", "bf16") for name in ("adamw", "nadam")]
 CASES += [("adamw", "bf16", {}, "64,64,64,4,4,0,1", "bf16"), ("adamw", "bf16", {}, "64,64,64,4,4", "bf16"),
           ("adamw", "int8", {}, "128,64,64,4,3", "bf16"), ("adamw", "bf16", {}, None, "fp32"),
           ("adamw", "int8", {}, None, "tf32")]
 SHARED_MEMORY_PER_PROGRAM = 232448  # the H100/H200 maximum, 227 KiB
+QUANTIZED = ("int8", "int4")
 
 # The compiler needs real @triton.jit functions: compile in a process without the interpreter.
 SCRIPT = """
@@ -65,7 +70,7 @@ def _default_config(layout, activations):
     from forge_dsl.kernels import gluon_lib
     from forge_dsl.kernels.policy import fused_config
     # (stored_bytes only sets the warp-specialized epilogue's prefetch, which this test does not look at)
-    return fused_config(2048, 4096, 4096, torch.device("cuda"), layout == "int8",
+    return fused_config(2048, 4096, 4096, torch.device("cuda"), layout in QUANTIZED,
                         torch.float32 if activations != "bf16" else torch.bfloat16, hopper=gluon_lib.AVAILABLE,
                         stored_bytes=6)
 
@@ -83,16 +88,19 @@ def resources():
 def test_fused_kernel_compiles_for_sm90_without_spills(resources, index):
     """The configs up to 4096 tokens: no spills (under a 128-register cap, a few words at most, which
     Triton versions place differently: NAdam 16 B and centered RMSprop with momentum 56 B with 3.9,
-    none with 3.6; AdamW with amsgrad 72 B with 3.6; more with int8 state, below), a pipelined token loop (asynchronous copies:
-    TMA, or cp.async for plain loads), 16-byte W and state access."""
+    none with 3.6; AdamW with amsgrad 72 B with 3.6; more with int8 / int4 state, below), a pipelined token loop
+    (asynchronous copies: TMA, or cp.async for plain loads), 16-byte W and state access (int4: 4-byte words)."""
     name, layout, hypers, config, activations = CASES[index]
     res = resources[index]
     cfg = TileConfig.parse(config) if config else _default_config(layout, activations)
     # int8 state's epilogue (block absmax and quantization) holds more: its capped 128×64 tiles spill up
-    # to 232 B (NAdam, Triton 3.6) and still measured 6–25 % faster than 64×64 tiles without spills (v5).
+    # to 232 B (NAdam, Triton 3.6) and still measured 6–25 % faster than 64×64 tiles without spills (v5);
+    # int4 state in the warp-specialized kernel 0–16 B (v21, v22).
     # The warp-specialized kernel's partitions share 64 K registers (96 per thread at launch): NAdam's epilogue
     # spills 40 B with Triton 3.9, none with 3.6.
-    allowed = (400 if layout == "int8" else 96) if cfg.launch_maxnreg else 0
+    # int4 state in those capped tiles 608 B (AdamW, Triton 3.9): measured 0.355 ms against 0.313 in 64×64 tiles
+    # without the cap (v22), left until a GPU where this kernel is the default decides.
+    allowed = {"int8": 400, "int4": 640}.get(layout, 96) if cfg.launch_maxnreg else 0
     assert res["stack_bytes"] <= allowed, f"{CASES[index]} spills: {res}"
     assert res["registers"] <= 255
     assert res["shared_bytes"] <= SHARED_MEMORY_PER_PROGRAM, f"{CASES[index]} cannot launch: {res}"
@@ -101,3 +109,8 @@ def test_fused_kernel_compiles_for_sm90_without_spills(resources, index):
     copies = [op for op in ops if op.startswith("cp.async.bulk.tensor" if tma else ("cp.async.cg", "cp.async.ca"))]
     assert copies, res
     assert ops.get("ld.global.v4.b32", 0) > 0 and ops.get("st.global.v4.b32", 0) > 0, res
+    if layout == "int4":  # a 4096-column row's codes move a 32-bit word per 8 (`launches.nibble_words`), no bytes
+        if forge_dsl.load_spec(name).states:
+            assert ops.get("ld.global.b32", 0) > 0 and ops.get("st.global.b32", 0) > 0, res
+        assert not [op for op in ops if op.startswith(("ld.global.b8", "st.global.b8", "ld.global.u8",
+                                                       "st.global.u8"))], res

@@ -1,7 +1,7 @@
 """`forge-bench kernel`: one linear layer's weight update, four ways, against the roofline floor.
 
 For W = N × K (bf16 scratch weights, never a user's), T tokens, each spec and
-state layout, median ms of:
+state layout (bf16, fp32, int8, int4), median ms of:
 
     fused     our tile-fused kernel: dW = dYᵀX accumulated per tile in registers, never stored
     dW+ours   cuBLAS dW (torch.matmul, bf16) + our generated element-wise step kernel
@@ -43,7 +43,8 @@ from .common import Progress, Results, UsageError, format_table, free_memory, gr
 
 PEAK_FLOPS = 790e12  # dense bf16 GEMM on these H200s (docs/PERF.md)
 PEAK_BYTES_PER_S = 4.3e12  # device-to-device copy on these H200s
-LAYOUTS = ("bf16", "fp32", "int8")
+LAYOUTS = ("bf16", "fp32", "int8", "int4")
+QUANTIZED = ("int8", "int4")
 STEP = 10  # a step past RAdam's un-rectified start, so every spec runs its steady-state update
 MAX_SETS = 8
 DEFAULT_L2_BYTES = 60 * 2**20  # what torch reported for these H200s (KINDS.md)
@@ -105,7 +106,7 @@ def add_arguments(ap) -> None:
                                      "(llama3.1-8b, qwen3-14b) or NxK sizes (default: every shape of both "
                                      "models; --quick: llama3.1-8b.q_o; CPU: 128x128)")
     ap.add_argument("--tokens", help="comma-separated T (default 512,2048,8192; --quick: 512,2048; CPU: 64)")
-    ap.add_argument("--layouts", help="comma-separated state layouts of ours: bf16,fp32,int8 "
+    ap.add_argument("--layouts", help="comma-separated state layouts of ours: bf16,fp32,int8,int4 "
                                       "(default: all; --quick: bf16)")
     ap.add_argument("--config", type=parse_config, metavar="BT,BN,BK,WARPS,STAGES[,HALVES[,TMA]][,key=value...]",
                     help="tile config of the fused kernel, as TileConfig.parse reads it (default: the kernel's own "
@@ -320,13 +321,13 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
 
     errors: dict = {}
     row = {"spec": spec_name, "shape": shape.name, "N": shape.N, "K": shape.K, "T": T, "layout": layout,
-           "sets": count, "config": asdict(config or fused_config(T, shape.N, shape.K, device, layout == "int8")),
+           "sets": count, "config": asdict(config or fused_config(T, shape.N, shape.K, device, layout in QUANTIZED)),
            **floor_ms(T, shape.N, shape.K, moved, device)}
     row["fused_ms"] = timed(lambda: rotating(sets, fused), device, settings, errors, "fused")
     row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings, errors, "dw_ours")
     # the extra path: cuBLAS dW in L2-sized row slabs, each consumed by our step kernel (never the whole dW)
     row["slab_ms"] = timed(lambda: rotating(sets, slab), device, settings, errors, "slab")
-    row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, default_slab_bytes(layout == "int8")) * shape.K * 2  # bf16 dW
+    row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, default_slab_bytes(layout in QUANTIZED)) * shape.K * 2  # bf16 dW
     row["errors"] = errors
     return row
 
@@ -413,7 +414,7 @@ def plot(plt, results: Results):
     n_rows = math.ceil(len(specs) / cols)
     fig, axes = plt.subplots(n_rows, cols, figsize=(7 * cols, 3.4 * n_rows + 0.9), squeeze=False, sharey=True,
                              layout="constrained")
-    markers = {"bf16": "o", "fp32": "s", "int8": "^"}
+    markers = {"bf16": "o", "fp32": "s", "int8": "^", "int4": "v"}
     for ax, spec_name in zip(axes.flat, specs):
         for r in (r for r in rows if r["spec"] == spec_name):
             x = cases.index((r["shape"], r["T"]))
