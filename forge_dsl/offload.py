@@ -15,11 +15,11 @@ The values are copied, never recomputed or converted: gradients and updates are 
         opt.step(); opt.zero_grad()
 
 Only tensors worth a transfer are moved: on the offloaded device type, at least `min_bytes`, contiguous and
-covering their whole storage (a view of a larger tensor would free nothing), not parameters (leaves that require
-grad, updated in place by FORGE's fused backward), not tensor subclasses (DTensor shards stay where they are). A
-tensor saved twice while its copy lives (rotary tables passed to every layer) is copied once. A saved tensor
-modified in place before its copy finished is refused when backward unpacks it, as autograd refuses one modified
-after it was saved.
+covering their whole storage (a view of a larger tensor would free nothing), plain tensors (not parameters, which
+FORGE's fused backward updates in place, nor subclasses such as DTensor shards), not leaves that require grad. A
+tensor saved twice while its copy lives (rotary tables passed to every layer) is copied once. Every saved tensor,
+moved or not, keeps autograd's check: one modified in place after it was saved is refused when backward unpacks it
+(the hooks replace autograd's own check, so they make it themselves).
 
 `device="cpu"` offloads CPU tensors into separate CPU buffers with synchronous copies: it frees nothing and exists
 so that the bookkeeping runs, and is tested, on machines without a GPU.
@@ -32,7 +32,6 @@ import weakref
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 #: How many saves back from an unpacked tensor to look for the next one to prefetch (skipping ones on the device).
 PREFETCH_LOOKBACK = 8
@@ -41,24 +40,29 @@ PREFETCH_LOOKBACK = 8
 class _Offloaded:
     """One saved tensor's host copy, and while the device→host transfer runs, the device tensor it came from.
 
-    host: the copy, pinned on CUDA; source: the device tensor until its transfer is done (None after);
-    copied: the event after which `host` holds the values; prefetched: (device tensor, event) of a host→device
-    copy started ahead of its unpack; restored: the device tensor last unpacked, weakly, with its version (a
-    tensor saved by several operations comes back once while one of them holds it unchanged); modified: the source changed in
-    place before its transfer was done."""
+    host: the copy, pinned on CUDA; source: the device tensor (detached: holding it must not hold its graph)
+    until its transfer is done, None after; origin: the tensor saved, weakly, and version: its version then (a
+    later in-place change is refused at unpack); copied: the event after which `host` holds the values;
+    prefetched: (device tensor, event) of a host→device copy started ahead of its unpack; restored: the device
+    tensor last unpacked, weakly, with its version (a tensor saved by several operations comes back once while
+    one of them holds it unchanged)."""
 
-    __slots__ = ("host", "device", "source", "version", "copied", "prefetched", "restored", "modified",
-                 "__weakref__")
+    __slots__ = ("host", "device", "source", "origin", "version", "copied", "prefetched", "restored", "__weakref__")
 
     def __init__(self, host: torch.Tensor, source: torch.Tensor, copied) -> None:
         self.host = host
         self.device = source.device
-        self.source: Optional[torch.Tensor] = source
+        self.source: Optional[torch.Tensor] = source.detach()
+        self.origin = weakref.ref(source)
         self.version = source._version
         self.copied = copied
         self.prefetched = None
         self.restored: Optional[tuple] = None  # (weak reference, its version when unpacked)
-        self.modified = False
+
+    def modified(self) -> bool:
+        """Whether the tensor saved was changed in place since (its source shares its version counter)."""
+        alias = self.source if self.source is not None else self.origin()
+        return alias is not None and alias._version != self.version
 
     def on_device(self) -> bool:
         """Whether the values are on the device now: its transfer has not finished, or it is back unchanged."""
@@ -66,6 +70,17 @@ class _Offloaded:
             return True
         restored = self.restored[0]() if self.restored is not None else None
         return restored is not None and restored._version == self.restored[1]
+
+
+class _Kept:
+    """What the pack hook returns for a tensor it does not move: the tensor detached (a tensor saved by the
+    operation that made it must not hold its own graph: the hooks' documented rule) and its version then."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach()
+        self.version = tensor._version
 
 
 class _Saved:
@@ -139,25 +154,32 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     # ---- the hooks -------------------------------------------------------------------------------------------
 
     def pack(self, tensor: torch.Tensor):
-        """The saved-tensor pack hook: `tensor` itself, or a `_Saved` whose host copy is on its way."""
+        """The saved-tensor pack hook: a `_Kept` (the tensor stays), or a `_Saved` whose host copy is on its way."""
         if not self._offloadable(tensor):
-            return tensor
+            return _Kept(tensor)
         with self._lock:
             return self._pack(tensor)
 
     def unpack(self, saved):
         """The saved-tensor unpack hook: the device tensor with the values saved."""
-        if not isinstance(saved, _Saved):
-            return saved
+        if isinstance(saved, _Kept):
+            if saved.tensor._version != saved.version:
+                raise _modified_error(saved.version, saved.tensor._version)
+            return saved.tensor
         with self._lock:
             return self._unpack(saved)
+
+    @staticmethod
+    def moved(packed) -> bool:
+        """Whether what `pack` returned is on its way to host memory (else the tensor stayed where it was)."""
+        return isinstance(packed, _Saved)
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
         shared = self._by_tensor.get(id(tensor))
         entry = None
         if shared is not None:
             known, entry = shared[0](), shared[1]()
-            if known is not tensor or entry is None or entry.version != tensor._version or entry.modified:
+            if known is not tensor or entry is None or entry.version != tensor._version:
                 entry = None
         if entry is None:
             self._release_copied()
@@ -170,27 +192,27 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, saved: _Saved) -> torch.Tensor:
         packed = saved.entry
         self._release_copied()
-        if packed.modified or (packed.source is not None and packed.source._version != packed.version):
-            raise RuntimeError(
-                "OffloadActivations: a tensor saved for backward was modified by an in-place operation while it "
-                "was being copied to host memory, so its saved values are lost (autograd would refuse it too). "
-                "Clone it before modifying it in place, or leave this forward outside OffloadActivations.")
+        if packed.modified():
+            now = packed.source if packed.source is not None else packed.origin()
+            raise _modified_error(packed.version, now._version)
+        tensor = None
         if packed.source is not None:  # its transfer has not finished: the device tensor is still here
-            return packed.source
-        if packed.restored is not None:
+            tensor = packed.source
+        elif packed.restored is not None:
             restored = packed.restored[0]()
             if restored is not None and restored._version == packed.restored[1]:
-                return restored
-        if packed.prefetched is not None:
-            tensor, ready = packed.prefetched
-            packed.prefetched = None
-            if ready is not None:
-                stream = torch.cuda.current_stream(packed.device)
-                stream.wait_event(ready)
-                tensor.record_stream(stream)
-        else:
-            tensor = self._copy_to_device(packed)
-        packed.restored = (weakref.ref(tensor), tensor._version)
+                tensor = restored
+        if tensor is None:
+            if packed.prefetched is not None:
+                tensor, ready = packed.prefetched
+                packed.prefetched = None
+                if ready is not None:
+                    stream = torch.cuda.current_stream(packed.device)
+                    stream.wait_event(ready)
+                    tensor.record_stream(stream)
+            else:
+                tensor = self._copy_to_device(packed)
+            packed.restored = (weakref.ref(tensor), tensor._version)
         if self.prefetch:
             self._prefetch_before(saved.order)
         return tensor
@@ -198,10 +220,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     # ---- which tensors ---------------------------------------------------------------------------------------
 
     def _offloadable(self, tensor: torch.Tensor) -> bool:
-        if type(tensor) is not torch.Tensor and is_traceable_wrapper_subclass(tensor):
-            return False
-        if tensor.device.type != self.device_type or isinstance(tensor, torch.nn.Parameter):
-            return False
+        if type(tensor) is not torch.Tensor or tensor.device.type != self.device_type:
+            return False  # a Parameter, a DTensor or another subclass; another device
         if tensor.is_leaf and tensor.requires_grad:
             return False
         nbytes = tensor.numel() * tensor.element_size()
@@ -237,12 +257,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return entry
 
     def _release_copied(self) -> None:
-        """Drop the device tensors whose host copies are done, noting the ones modified in place meanwhile."""
+        """Drop the device tensors whose host copies are done."""
         still = []
         for entry in self._pending:
             if entry.copied.query():
-                if entry.source._version != entry.version:
-                    entry.modified = True
                 entry.source = None
             else:
                 still.append(entry)
@@ -290,3 +308,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _forget_dead(self) -> None:
         self._by_order = {i: r for i, r in self._by_order.items() if r() is not None}
         self._by_tensor = {k: v for k, v in self._by_tensor.items() if v[0]() is not None and v[1]() is not None}
+
+
+def _modified_error(saved: int, now: int) -> RuntimeError:
+    return RuntimeError(
+        "OffloadActivations: one of the tensors saved for backward was modified by an in-place operation after it "
+        f"was saved (its version was {saved}, it is {now} now), as autograd itself would refuse. Clone it before "
+        "modifying it in place, or change the operation to an out-of-place one.")

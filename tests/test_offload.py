@@ -133,7 +133,11 @@ def test_which_tensors_are_moved():
     offload = OffloadActivations(min_bytes=1024, device=DEVICE.type)
     base = torch.randn(64, 64, device=DEVICE) * 1.0  # 16 KiB, not a leaf that requires grad
     moved = offload.pack(base)
-    assert isinstance(moved, _Saved)
+    assert offload.moved(moved) and isinstance(moved, _Saved)
+
+    class Marked(torch.Tensor):
+        pass
+
     kept = {
         "parameter": torch.nn.Parameter(torch.randn(64, 64, device=DEVICE)),
         "leaf that requires grad": torch.randn(64, 64, device=DEVICE, requires_grad=True),
@@ -141,9 +145,14 @@ def test_which_tensors_are_moved():
         "not contiguous": base.t(),
         "under min_bytes": torch.randn(8, 8, device=DEVICE) * 1.0,
         "another device type": torch.randn(64, 64, device="meta"),
+        "a subclass": torch.randn(64, 64, device=DEVICE).as_subclass(Marked),
     }
     for what, tensor in kept.items():
-        assert offload.pack(tensor) is tensor, what
+        packed = offload.pack(tensor)
+        assert not offload.moved(packed), what
+        assert offload.unpack(packed) is not tensor, what  # detached: it must not hold the graph
+        if tensor.device.type != "meta":
+            assert torch.equal(offload.unpack(packed), tensor), what
     assert offload.bytes_offloaded == base.numel() * 4
     assert torch.equal(offload.unpack(moved), base)
 
@@ -211,7 +220,7 @@ def test_bad_arguments_are_refused(kwargs, error, words):
 @pytest.mark.gpu
 def test_a_tensor_modified_in_place_before_its_copy_finished_is_refused():
     """The compute stream is held busy, so the copy to host cannot have started when the saved tensor is modified
-    in place: its saved values are lost, and backward says so instead of using the new values."""
+    in place: backward says so instead of using the new values (whether the copy has run by then or not)."""
     offload = OffloadActivations(min_bytes=1)
     x = torch.randn(256, 256, device="cuda", requires_grad=True)
     with offload:
@@ -220,7 +229,7 @@ def test_a_tensor_modified_in_place_before_its_copy_finished_is_refused():
         y = h.sin().sum()
         with torch.no_grad():
             h.add_(1.0)
-    with pytest.raises(RuntimeError, match="modified by an in-place operation while it was being copied"):
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after it was saved"):
         y.backward()
 
 
@@ -290,3 +299,39 @@ def test_a_compiled_module_saves_through_it_bit_for_bit():
         net.zero_grad(set_to_none=True)
     assert offload.bytes_offloaded > 0
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("size", [4, 64], ids=["kept", "moved"])
+def test_a_saved_tensor_modified_in_place_is_refused_as_autograd_refuses_it(size):
+    """The hooks replace autograd's version check: a saved tensor changed in place after it was saved, whether it
+    stayed on the device (under min_bytes) or was copied to the host, is refused in backward, not used."""
+    offload = OffloadActivations(min_bytes=1024, device=DEVICE.type)
+    x = torch.randn(size, size, device=DEVICE, requires_grad=True)
+    with offload:
+        h = x * 2.0
+        y = h.sin().sum()  # sin saves h
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # the copy to the host is done
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after it was saved"):
+        y.backward()
+
+
+def test_a_forward_without_backward_frees_its_graph():
+    """What the hooks return must not hold the graph: exp saves its own output, and a forward with grad enabled
+    but no backward (an evaluation without no_grad) must leave nothing alive once its outputs are dropped."""
+    offload = OffloadActivations(min_bytes=1, device=DEVICE.type)
+    x = torch.randn(64, 64, device=DEVICE, requires_grad=True)
+    refs = []
+    for min_bytes in (1, 1 << 30):  # moved, and kept
+        offload.min_bytes = min_bytes
+        with offload:
+            h = (x * 2.0).exp()  # exp saves its output h
+            refs.append(weakref.ref(h))
+        del h
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        offload._release_copied()
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

@@ -393,7 +393,7 @@ class SavedBytes:
 
     def _pack(self, t: torch.Tensor):
         packed = self.offload.pack(t) if self.offload is not None else t
-        if packed is not t:
+        if self.offload is not None and self.offload.moved(packed):
             return packed
         for storage in _storages(t):
             ptr = storage.data_ptr()
