@@ -72,15 +72,23 @@ class _Offloaded:
         return restored is not None and restored._version == self.restored[1]
 
 
-class _Kept:
-    """What the pack hook returns for a tensor it does not move: the tensor detached (a tensor saved by the
-    operation that made it must not hold its own graph: the hooks' documented rule) and its version then."""
+class Kept:
+    """What a pack hook returns for a tensor that stays where it is (`OffloadActivations`' for the ones it does not
+    move, and any other hooks'): the tensor detached (a tensor saved by the operation that made it must not hold its
+    own graph: the hooks' documented rule) and its version then, for `unpack` to make autograd's in-place check,
+    which saved-tensor hooks replace."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor.detach()
         self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        """The tensor saved; a RuntimeError if it was modified in place since."""
+        if self.tensor._version != self.version:
+            raise _modified_error(self.version, self.tensor._version)
+        return self.tensor
 
 
 class _Saved:
@@ -154,18 +162,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     # ---- the hooks -------------------------------------------------------------------------------------------
 
     def pack(self, tensor: torch.Tensor):
-        """The saved-tensor pack hook: a `_Kept` (the tensor stays), or a `_Saved` whose host copy is on its way."""
+        """The saved-tensor pack hook: a `Kept` (the tensor stays), or a `_Saved` whose host copy is on its way."""
         if not self._offloadable(tensor):
-            return _Kept(tensor)
+            return Kept(tensor)
         with self._lock:
             return self._pack(tensor)
 
     def unpack(self, saved):
         """The saved-tensor unpack hook: the device tensor with the values saved."""
-        if isinstance(saved, _Kept):
-            if saved.tensor._version != saved.version:
-                raise _modified_error(saved.version, saved.tensor._version)
-            return saved.tensor
+        if isinstance(saved, Kept):
+            return saved.unpack()
         with self._lock:
             return self._unpack(saved)
 

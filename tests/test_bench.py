@@ -121,6 +121,20 @@ def test_model_offload_moves_the_checkpointed_layers_inputs_to_the_host(tmp_path
     assert cells == ["on", "on + offload"]
 
 
+def test_model_saved_bytes_keeps_autograds_in_place_check():
+    """Counting what a forward saves must not change what backward does: saved-tensor hooks replace autograd's
+    in-place check, so the counter makes it (a tensor changed in place after it was saved is refused)."""
+    x = torch.randn(8, 8, requires_grad=True)
+    with model.SavedBytes(set()) as saved:
+        h = x * 2.0
+        y = h.sin().sum()
+    assert saved.bytes == h.numel() * 4
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        y.backward()
+
+
 def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monkeypatch):
     from forge_dsl.kernels import launch
 

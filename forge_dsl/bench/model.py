@@ -81,7 +81,7 @@ import forge_dsl
 
 from .. import tensor_parallel
 from ..consumed_grad import ConsumedGrad
-from ..offload import OffloadActivations
+from ..offload import Kept, OffloadActivations
 from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
                      synchronize)
 from .lean_loss import causal_lm_loss_inplace
@@ -392,7 +392,7 @@ class SavedBytes:
         self._hooks = None
 
     def _pack(self, t: torch.Tensor):
-        packed = self.offload.pack(t) if self.offload is not None else t
+        packed = self.offload.pack(t) if self.offload is not None else Kept(t)
         if self.offload is not None and self.offload.moved(packed):
             return packed
         for storage in _storages(t):
@@ -403,7 +403,7 @@ class SavedBytes:
         return packed
 
     def _unpack(self, packed):
-        return self.offload.unpack(packed) if self.offload is not None else packed
+        return self.offload.unpack(packed) if self.offload is not None else packed.unpack()
 
     def __enter__(self) -> "SavedBytes":
         self._offloaded_before = self.offload.bytes_offloaded if self.offload is not None else 0
