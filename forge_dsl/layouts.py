@@ -183,6 +183,7 @@ INT4_THRESHOLDS = ((INT4_MAP[:-1].double() + INT4_MAP[1:].double()) / 2).to(torc
 INT4_ZERO = 7  # the INT4 code of 0
 
 LAYOUT_NAMES = ("fp32", "bf16", "int8", "int4")
+QUANTIZED_NAMES = ("int8", "int4")  # the names whose states are block-quantized codes beside scales
 
 # The storage dtype of the block scales of new quantized state (`quantize`, `api.init_state`); a scale tensor's
 # own dtype, one of SCALE_DTYPES, tells how it is read (float32: every checkpoint before bf16 scales).

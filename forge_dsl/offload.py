@@ -59,17 +59,20 @@ class _Offloaded:
         self.prefetched = None
         self.restored: Optional[tuple] = None  # (weak reference, its version when unpacked)
 
-    def modified(self) -> bool:
-        """Whether the tensor saved was changed in place since (its source shares its version counter)."""
+    def check_unmodified(self) -> None:
+        """A RuntimeError if the tensor saved was changed in place since (its source shares its version counter;
+        once the source is released, the tensor saved is asked, if it still lives)."""
         alias = self.source if self.source is not None else self.origin()
-        return alias is not None and alias._version != self.version
+        if alias is not None:
+            _check_version(self.version, alias)
 
-    def on_device(self) -> bool:
-        """Whether the values are on the device now: its transfer has not finished, or it is back unchanged."""
+    def on_device(self) -> Optional[torch.Tensor]:
+        """The values on the device now, if they are: the source while its transfer runs, or the tensor last
+        unpacked while it lives unchanged; else None."""
         if self.source is not None:
-            return True
+            return self.source
         restored = self.restored[0]() if self.restored is not None else None
-        return restored is not None and restored._version == self.restored[1]
+        return restored if restored is not None and restored._version == self.restored[1] else None
 
 
 class Kept:
@@ -86,8 +89,7 @@ class Kept:
 
     def unpack(self) -> torch.Tensor:
         """The tensor saved; a RuntimeError if it was modified in place since."""
-        if self.tensor._version != self.version:
-            raise _modified_error(self.version, self.tensor._version)
+        _check_version(self.version, self.tensor)
         return self.tensor
 
 
@@ -198,16 +200,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, saved: _Saved) -> torch.Tensor:
         packed = saved.entry
         self._release_copied()
-        if packed.modified():
-            now = packed.source if packed.source is not None else packed.origin()
-            raise _modified_error(packed.version, now._version)
-        tensor = None
-        if packed.source is not None:  # its transfer has not finished: the device tensor is still here
-            tensor = packed.source
-        elif packed.restored is not None:
-            restored = packed.restored[0]()
-            if restored is not None and restored._version == packed.restored[1]:
-                tensor = restored
+        packed.check_unmodified()
+        tensor = packed.on_device()
         if tensor is None:
             if packed.prefetched is not None:
                 tensor, ready = packed.prefetched
@@ -230,7 +224,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return False  # a Parameter, a DTensor or another subclass; another device
         if tensor.is_leaf and tensor.requires_grad:
             return False
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if nbytes < max(self.min_bytes, 1) or tensor.layout != torch.strided or not tensor.is_contiguous():
             return False
         storage = tensor.untyped_storage()
@@ -245,7 +239,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return stream
 
     def _copy_to_host(self, tensor: torch.Tensor) -> _Offloaded:
-        self.bytes_offloaded += tensor.numel() * tensor.element_size()
+        self.bytes_offloaded += tensor.nbytes
         if tensor.device.type == "cpu":
             entry = _Offloaded(tensor.clone(), tensor, None)
             entry.source = None  # a synchronous copy: done
@@ -275,14 +269,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _bound_in_flight(self) -> None:
         """Wait (on the host) for the oldest copies to the host until at most max_in_flight_bytes are in flight
         beside the newest one, and release their device tensors."""
-        while len(self._pending) > 1 and \
-                sum(e.host.numel() * e.host.element_size() for e in self._pending[:-1]) > self.max_in_flight_bytes:
+        while len(self._pending) > 1 and sum(e.host.nbytes for e in self._pending[:-1]) > self.max_in_flight_bytes:
             self._pending[0].copied.synchronize()
             self._release_copied()
 
     def _copy_to_device(self, entry: _Offloaded) -> torch.Tensor:
         """The host copy back on the device, on the compute stream (ordered before whatever uses it)."""
-        self.bytes_restored += entry.host.numel() * entry.host.element_size()
+        self.bytes_restored += entry.host.nbytes
         if entry.device.type == "cpu":
             return entry.host.clone()
         return entry.host.to(entry.device, non_blocking=True)
@@ -292,17 +285,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         for earlier in range(order - 1, max(order - 1 - PREFETCH_LOOKBACK, -1), -1):
             ref = self._by_order.get(earlier)
             entry = ref() if ref is not None else None
-            if entry is None or entry.on_device():
+            if entry is None or entry.on_device() is not None:
                 continue
             if entry.prefetched is not None:
                 return
-            self.bytes_prefetched += entry.host.numel() * entry.host.element_size()
+            self.bytes_prefetched += entry.host.nbytes
             if entry.device.type == "cpu":
                 entry.prefetched = (self._copy_to_device(entry), None)
                 return
             compute = torch.cuda.current_stream(entry.device)
             side = self._side_stream(entry.device)
-            self.bytes_restored += entry.host.numel() * entry.host.element_size()
+            self.bytes_restored += entry.host.nbytes
             tensor = torch.empty(entry.host.shape, dtype=entry.host.dtype, device=entry.device)  # compute's pool
             side.wait_stream(compute)
             with torch.cuda.stream(side):
@@ -316,8 +309,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._by_tensor = {k: v for k, v in self._by_tensor.items() if v[0]() is not None and v[1]() is not None}
 
 
-def _modified_error(saved: int, now: int) -> RuntimeError:
-    return RuntimeError(
-        "OffloadActivations: one of the tensors saved for backward was modified by an in-place operation after it "
-        f"was saved (its version was {saved}, it is {now} now), as autograd itself would refuse. Clone it before "
-        "modifying it in place, or change the operation to an out-of-place one.")
+def _check_version(saved: int, tensor: torch.Tensor) -> None:
+    """Autograd's check on a saved tensor, which saved-tensor hooks replace: refused if changed in place."""
+    if tensor._version != saved:
+        raise RuntimeError(
+            "OffloadActivations: one of the tensors saved for backward was modified by an in-place operation after "
+            f"it was saved (its version was {saved}, it is {tensor._version} now), as autograd itself would refuse. "
+            "Clone it before modifying it in place, or change the operation to an out-of-place one.")

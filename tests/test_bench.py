@@ -135,6 +135,29 @@ def test_model_saved_bytes_keeps_autograds_in_place_check():
         y.backward()
 
 
+def test_model_saved_bytes_counts_every_offloaded_tensor_when_an_address_comes_back():
+    """A moved tensor's memory is freed while the decoder still runs, and a later one may get its address: the
+    bytes on the host are the offloader's own count, not a count of distinct addresses. Here two saved tensors
+    share one address outright, as a freed and reused one does."""
+    from forge_dsl import OffloadActivations
+
+    def forward(x):
+        h = x * 2.0
+        again = h.view(64, 64)  # another tensor at h's address, covering its storage
+        return h.sin().sum() + again.cos().sum(), h, again  # sin saves h, cos saves `again`: both copied
+
+    offload = OffloadActivations(min_bytes=1, device="cpu")
+    x = torch.randn(64, 64, requires_grad=True)
+    with model.SavedBytes(set(), offload) as saved:
+        y, h, again = forward(x)
+    assert again.data_ptr() == h.data_ptr() and again is not h
+    assert saved.offloaded == 2 * 64 * 64 * 4 and saved.bytes == 0
+    y.backward()
+    reference = x.detach().requires_grad_()
+    forward(reference)[0].backward()
+    assert torch.equal(x.grad, reference.grad)
+
+
 def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monkeypatch):
     from forge_dsl.kernels import launch
 

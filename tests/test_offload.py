@@ -96,7 +96,7 @@ def test_checkpoint_inputs_come_back_last_layer_first_each_prefetched_by_the_one
     unpack = offload.unpack
 
     def watched(saved):
-        if isinstance(saved, _Saved) and not saved.entry.on_device():
+        if isinstance(saved, _Saved) and saved.entry.on_device() is None:
             came_back.append((saved.entry, saved.entry.prefetched is not None))
         return unpack(saved)
 
@@ -116,6 +116,26 @@ def test_checkpoint_inputs_come_back_last_layer_first_each_prefetched_by_the_one
     # each layer's input was on its way back while the layer after it ran its backward
     assert [prefetched[i] for i in (2, 1, 0)] == [True, True, True]
     assert offload.bytes_prefetched > 0
+
+
+def test_an_unpack_whose_copy_is_still_in_flight_prefetches_too():
+    """Backward's first unpacks often find their copies to the host still running (the device tensor is used as
+    is); they must start bringing back the tensor saved before all the same. The copy in flight is simulated on
+    any device: the entry holds its source again."""
+    offload = OffloadActivations(min_bytes=1, device=DEVICE.type)
+    x = torch.randn(32, 32, device=DEVICE, requires_grad=True)
+    with offload:
+        h1 = x * 2.0
+        h2 = h1.sin() * 3.0  # sin saves h1 (first)
+        y = h2.sin().sum()  # sin saves h2 (second)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        offload._release_copied()
+    first, second = (offload._by_order[i]() for i in range(2))
+    second.source = h2.detach()  # its copy "still in flight"
+    del h1, h2
+    y.backward()
+    assert offload.bytes_prefetched == first.host.nbytes
 
 
 def test_without_prefetch_nothing_is_prefetched_and_the_bits_are_the_same():

@@ -19,6 +19,7 @@ import triton
 
 import forge_dsl
 from forge_dsl.kernels.policy import TileConfig
+from forge_dsl.layouts import QUANTIZED_NAMES
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")),
@@ -43,14 +44,14 @@ CASES += [("adamw", "bf16", {}, "32,128,128,4,2,split=4,ws=4", "bf16")]
 # ... with int4 state (its default at 2048 tokens), and int4 state in the Triton kernel
 CASES += [(name, "int4", {"momentum": 0.9} if name == "sgd_momentum" else {}, None, "bf16")
           for name in forge_dsl.builtin_names()]
-CASES += [(name, "int4", {}, "64,128,64,8,4,0,1,maxnreg=128", "bf16") for name in ("adamw", "rmsprop")]  # QUANTIZED_TILES
+# QUANTIZED_TILES, the Triton kernel's int4 tiles on GPUs without the warp-specialized kernel
+CASES += [(name, "int4", {}, "64,128,64,8,4,0,1,maxnreg=128", "bf16") for name in ("adamw", "rmsprop")]
 # ... with its MMA warps updating one slice of each tile (NAdam: the most registers)
 CASES += [(name, "bf16", {}, "64,128,128,8,5,split=4,ws=8,mmaslices=1", "bf16") for name in ("adamw", "nadam")]
 CASES += [("adamw", "bf16", {}, "64,64,64,4,4,0,1", "bf16"), ("adamw", "bf16", {}, "64,64,64,4,4", "bf16"),
           ("adamw", "int8", {}, "128,64,64,4,3", "bf16"), ("adamw", "bf16", {}, None, "fp32"),
           ("adamw", "int8", {}, None, "tf32")]
 SHARED_MEMORY_PER_PROGRAM = 232448  # the H100/H200 maximum, 227 KiB
-QUANTIZED = ("int8", "int4")
 
 # The compiler needs real @triton.jit functions: compile in a process without the interpreter.
 SCRIPT = """
@@ -70,7 +71,7 @@ def _default_config(layout, activations):
     from forge_dsl.kernels import gluon_lib
     from forge_dsl.kernels.policy import fused_config
     # (stored_bytes only sets the warp-specialized epilogue's prefetch, which this test does not look at)
-    return fused_config(2048, 4096, 4096, torch.device("cuda"), layout in QUANTIZED,
+    return fused_config(2048, 4096, 4096, torch.device("cuda"), layout in QUANTIZED_NAMES,
                         torch.float32 if activations != "bf16" else torch.bfloat16, hopper=gluon_lib.AVAILABLE,
                         stored_bytes=6)
 

@@ -38,13 +38,13 @@ import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
 from forge_dsl.kernels.policy import default_slab_bytes, fused_config, slab_rows
+from forge_dsl.layouts import QUANTIZED_NAMES
 
 from .common import Progress, Results, UsageError, format_table, free_memory, graph_ms, median_ms
 
 PEAK_FLOPS = 790e12  # dense bf16 GEMM on these H200s (docs/PERF.md)
 PEAK_BYTES_PER_S = 4.3e12  # device-to-device copy on these H200s
 LAYOUTS = ("bf16", "fp32", "int8", "int4")
-QUANTIZED = ("int8", "int4")
 STEP = 10  # a step past RAdam's un-rectified start, so every spec runs its steady-state update
 MAX_SETS = 8
 DEFAULT_L2_BYTES = 60 * 2**20  # what torch reported for these H200s (KINDS.md)
@@ -320,14 +320,15 @@ def bench_case(spec_name: str, shape: Shape, T: int, layout: str, device: torch.
         kernels.slab_linear_step(spec, x, dy, w, state, step=STEP, rounding=rounding, **hypers)
 
     errors: dict = {}
+    quantized = layout in QUANTIZED_NAMES
     row = {"spec": spec_name, "shape": shape.name, "N": shape.N, "K": shape.K, "T": T, "layout": layout,
-           "sets": count, "config": asdict(config or fused_config(T, shape.N, shape.K, device, layout in QUANTIZED)),
+           "sets": count, "config": asdict(config or fused_config(T, shape.N, shape.K, device, quantized)),
            **floor_ms(T, shape.N, shape.K, moved, device)}
     row["fused_ms"] = timed(lambda: rotating(sets, fused), device, settings, errors, "fused")
     row["dw_ours_ms"] = timed(lambda: rotating(sets, dw_ours), device, settings, errors, "dw_ours")
     # the extra path: cuBLAS dW in L2-sized row slabs, each consumed by our step kernel (never the whole dW)
     row["slab_ms"] = timed(lambda: rotating(sets, slab), device, settings, errors, "slab")
-    row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, default_slab_bytes(layout in QUANTIZED)) * shape.K * 2  # bf16 dW
+    row["slab_bytes"] = slab_rows(shape.N, shape.K, 2, default_slab_bytes(quantized)) * shape.K * 2  # bf16 dW
     row["errors"] = errors
     return row
 
