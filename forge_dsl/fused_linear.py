@@ -384,22 +384,13 @@ def _linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                            "dropping the optimizer")
     dw = fused.consume(x, dy)
     if dw is not None:  # not fused this step: autograd's dW, into the parameter's .grad
-        _add_to_grad(fused.weight_ref(), dw)
+        tensor_parallel.add_to_grad(fused.weight_ref(), dw)
     return dx
 
 
 @_linear_backward_op.register_fake
 def _(dy, x, weight, handle, needs_dx):
     return dy.new_empty(*dy.shape[:-1], weight.shape[1]) if needs_dx else dy.new_empty(0)
-
-
-def _add_to_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """`param.grad += grad` as autograd accumulates it (the first one taken as it is)."""
-    with torch.no_grad():
-        if param.grad is None:
-            param.grad = grad
-        else:
-            param.grad += grad
 
 
 def _dw(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

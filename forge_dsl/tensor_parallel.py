@@ -49,8 +49,8 @@ try:
 except ImportError:  # a torch build without torch.distributed: no DTensor can reach FORGE
     DTensor = Partial = Replicate = Shard = None
 
-__all__ = ["DTensor", "LinearSharding", "add_to_grad", "data_parallel_refusal", "embedding_sharding", "global_layouts", "global_state",
-           "is_dtensor", "linear_sharding", "local", "local_grad", "local_state", "mesh_refusal",
+__all__ = ["DTensor", "LinearSharding", "add_to_grad", "data_parallel_refusal", "embedding_sharding", "global_layouts",
+           "global_state", "is_dtensor", "linear_sharding", "local", "local_grad", "local_state", "mesh_refusal",
            "quantized_sharding_refusal", "shard_index", "state_layouts", "wrap"]
 
 
@@ -208,11 +208,11 @@ def linear_sharding(x: Any, weight: torch.Tensor) -> Union[LinearSharding, str]:
             "across ranks only after backward; DTensor's linear ran and the weight was stepped from its reduced .grad")
 
 
-def add_to_grad(param: torch.Tensor, local_grad: torch.Tensor) -> None:
-    """`param.grad += local_grad` for a DTensor `param`, `local_grad` this rank's shard of its gradient (the first
-    one taken as it is), as autograd accumulates a gradient: a fused layer's unfused step hands its shard's
-    gradient here, outside autograd."""
-    grad = wrap(local_grad.to(param.dtype), param, tuple(param.placements), param.shape)
+def add_to_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """`param.grad += grad` as autograd accumulates a gradient (the first one taken as it is), for a fused layer's
+    unfused step, which hands its dW outside autograd; for a DTensor `param`, `grad` is this rank's shard of it."""
+    if is_dtensor(param):
+        grad = wrap(grad.to(param.dtype), param, tuple(param.placements), param.shape)
     with torch.no_grad():
         if param.grad is None:
             param.grad = grad
