@@ -9,41 +9,30 @@ What is checked, each with a located `SpecError`:
     state takes only per-tensor values; states exist only where their condition
     holds;
   * data flow, for every combination of flags: temporaries are assigned before
-    they are read, and `param` and every state are updated.
+    they are read, and `param` and every state are updated;
+  * `nonneg` states stay >= 0 (the interval proof of `nonneg.check_nonneg`).
 
 Flags select code at compile time, so the body is checked once per
-combination of flag values (`combinations`), after `specialize` has resolved
-each `if`.  The lowering stage reuses both.
+combination of flag values (`variants.combinations`), after
+`variants.specialize` has resolved each `if`.  The lowering stage reuses both.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
 import keyword
-import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from . import ir
 from .errors import Loc, SpecError, did_you_mean
+from .nonneg import check_nonneg
 from .printer import print_expr
-from .scalar_ops import apply_scalar_op
+from .variants import (Combo, children, combinations, describe_combo, eval_static, iter_names, specialize,
+                       states_present, walk_statements)
 
-__all__ = [
-    "BUILTIN_FUNCTIONS",
-    "Combo",
-    "Level",
-    "Type",
-    "check_spec",
-    "combinations",
-    "describe_combo",
-    "eval_static",
-    "runtime_flags",
-    "specialize",
-    "variant_of",
-    "variants",
-]
+__all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "Level", "MAX_FLAGS", "RESERVED_NAMES", "Type",
+           "check_spec"]
 
 # name -> number of arguments
 BUILTIN_FUNCTIONS = {
@@ -126,88 +115,6 @@ class Level(enum.IntEnum):
     ELEMENT = 3  # per element (param, grad, state)
 
 
-Combo = tuple[tuple[str, bool], ...]
-
-
-def combinations(spec: ir.Spec) -> list[Combo]:
-    """Every assignment of True/False to the flags and derived flags, in declaration order."""
-    names = [f.name for f in spec.flags] + [d.name for d in spec.derived]
-    return [tuple(zip(names, values)) for values in itertools.product((False, True), repeat=len(names))]
-
-
-def runtime_flags(spec: ir.Spec) -> frozenset[str]:
-    """The flags that need no compiled variant of their own: read only inside the update's expressions
-    (`where(maximize, -grad, grad)`), never by an `if`, a state's condition or a derived flag.  The kernels
-    take them as host values, so both of their values run one compiled variant, as torch.optim's
-    `maximize` is a runtime branch.  In a spec with optional hyperparameters every flag stays compile-time:
-    there a where() on a flag may guard a read of a hyperparameter that is none, and a runtime select
-    evaluates both of its branches."""
-    if any(h.optional for h in spec.hypers):
-        return frozenset()
-    compile_time: set[str] = set()
-    conditions = [s.condition for s in _walk_stmts(spec.body) if isinstance(s, ir.If)]
-    conditions += [s.condition for s in spec.states if s.condition is not None]
-    conditions += [d.expr for d in spec.derived]
-    for cond in conditions:
-        compile_time.update(n.id for n in _iter_names(cond))
-    return frozenset(f.name for f in spec.flags if f.name not in compile_time)
-
-
-def variants(spec: ir.Spec) -> list[Combo]:
-    """The compiled variants: every assignment of the flags that are not `runtime_flags`, in
-    `combinations` order (what `variant_of` maps a combination to)."""
-    runtime = runtime_flags(spec)
-    names = [f.name for f in spec.flags if f.name not in runtime] + [d.name for d in spec.derived]
-    return [tuple(zip(names, values)) for values in itertools.product((False, True), repeat=len(names))]
-
-
-def variant_of(spec: ir.Spec, combo: Combo) -> Combo:
-    """The compiled variant that runs the flag combination `combo`: `combo` without the runtime flags."""
-    runtime = runtime_flags(spec)
-    return tuple((name, value) for name, value in combo if name not in runtime)
-
-
-def describe_combo(combo: Combo) -> str:
-    return ", ".join(f"{name}={'true' if value else 'false'}" for name, value in combo)
-
-
-def eval_static(expr: ir.Expr, flags: dict[str, bool]) -> bool:
-    """Evaluate a compile-time boolean: flags and literals, combined by any operator or function."""
-    return bool(_static_value(expr, flags))
-
-
-def _static_value(expr: ir.Expr, flags: dict[str, bool]):
-    if isinstance(expr, (ir.BoolLit, ir.Num)):
-        return expr.value
-    if isinstance(expr, ir.Name):
-        return flags[expr.id]
-    if isinstance(expr, ir.Unary):
-        return apply_scalar_op(expr.op, _static_value(expr.operand, flags))
-    if isinstance(expr, ir.Binary):
-        return apply_scalar_op(expr.op, _static_value(expr.left, flags), _static_value(expr.right, flags))
-    if isinstance(expr, ir.Call):
-        return apply_scalar_op(expr.func, *(_static_value(a, flags) for a in expr.args))
-    raise AssertionError(f"not a compile-time condition: {expr!r}")
-
-
-def specialize(body: tuple[ir.Stmt, ...], flags: dict[str, bool]) -> list[ir.Assign]:
-    """The straight-line assignments that run when the flags have these values."""
-    out: list[ir.Assign] = []
-    for stmt in body:
-        if isinstance(stmt, ir.Assign):
-            out.append(stmt)
-        elif eval_static(stmt.condition, flags):
-            out.extend(specialize(stmt.then, flags))
-        else:
-            out.extend(specialize(stmt.orelse, flags))
-    return out
-
-
-def states_present(spec: ir.Spec, flags: dict[str, bool]) -> tuple[ir.State, ...]:
-    """The states that exist when the flags have these values."""
-    return tuple(s for s in spec.states if s.condition is None or eval_static(s.condition, flags))
-
-
 # ----------------------------------------------------------------------------
 # The checker
 # ----------------------------------------------------------------------------
@@ -218,14 +125,6 @@ class _Symbol:
     kind: str  # hyper, group, flag, derived, state, scalar, param, grad, step, temp
     type: Type
     level: Level
-
-
-def _walk_stmts(body) -> Iterator[ir.Stmt]:
-    for stmt in body:
-        yield stmt
-        if isinstance(stmt, ir.If):
-            yield from _walk_stmts(stmt.then)
-            yield from _walk_stmts(stmt.orelse)
 
 
 def _describe(expr: ir.Expr) -> str:
@@ -250,7 +149,7 @@ class _Checker:
         self.allow_given = False  # given(...) is allowed in derived flags and 'require' only
         self.temps_anywhere = {
             s.target
-            for s in _walk_stmts(spec.body)
+            for s in walk_statements(spec.body)
             if isinstance(s, ir.Assign)
         }
 
@@ -388,7 +287,7 @@ class _Checker:
         declared_later = {s.name: "a state" for s in self.spec.states}
         declared_later.update({s.name: "a scalar state" for s in self.spec.scalars})
         declared_later.update({d.name: "a flag" for d in self.spec.derived})
-        for n in _iter_names(expr):
+        for n in iter_names(expr):
             sym = self.symbols.get(n.id)
             if n.id in self.optional:
                 raise self.error(
@@ -420,7 +319,7 @@ class _Checker:
             self.allow_given = False
 
     def check_compile_time_condition(self, cond: ir.Expr, what: str) -> None:
-        for n in _iter_names(cond):
+        for n in iter_names(cond):
             if n.id not in self.symbols and n.id in self.temps_anywhere:
                 raise self.error(
                     f"{what} is resolved when the kernel is compiled, so it may use only flags, "
@@ -607,7 +506,7 @@ class _Checker:
     # -- the body ----------------------------------------------------------
     def check_body_structure(self) -> None:
         """Checks that do not depend on flag values: targets, if-conditions, expression types."""
-        for stmt in _walk_stmts(self.spec.body):
+        for stmt in walk_statements(self.spec.body):
             if isinstance(stmt, ir.If):
                 self.check_compile_time_condition(stmt.condition, "an 'if' condition")
                 continue
@@ -652,7 +551,7 @@ class _Checker:
                         n.loc,
                         hint=self.given_hint(n.id),
                     )
-            for n in _iter_names(stmt.value):
+            for n in iter_names(stmt.value):
                 if self.symbols.get(n.id) and self.symbols[n.id].kind == "state" and n.id not in present:
                     raise self.error(self.absent_state_message(n.id, why), n.loc)
             target = stmt.target
@@ -706,36 +605,6 @@ class _Checker:
             if f.name not in self.used:
                 raise self.error(f"flag '{f.name}' is never used", f.loc, hint="remove it or use it")
 
-    def check_nonneg(self, combo: Combo, qualify: bool) -> None:
-        """Every `nonneg` state starts and stays >= 0, by interval analysis (see `_Bounds`)."""
-        flags = dict(combo)
-        why = f" (when {describe_combo(combo)})" if qualify and combo else ""
-        bounds = _Bounds(self.spec, flags)
-        present = {s.name for s in states_present(self.spec, flags)}
-        nonneg = {s.name: s for s in self.spec.states if s.nonneg and s.name in present}
-        for s in nonneg.values():
-            if bounds.of(s.init).lo < 0:
-                raise self.error(
-                    f"state '{s.name}' is declared nonneg but its initial value can be negative",
-                    s.init.loc, hint="remove 'nonneg' or start it at a value >= 0",
-                )
-        for stmt in specialize(self.spec.body, flags):
-            bounds.notes.clear()
-            r = bounds.of(stmt.value)
-            if stmt.target in nonneg and r.lo < 0:
-                hint = bounds.notes[-1] if bounds.notes else (
-                    "the proof knows the hyperparameters' ranges, step >= 1, nonneg states >= 0 and "
-                    f"{PROVEN_FORMS}; narrow a range, write the value in one of these forms, or remove 'nonneg' "
-                    "(int8 storage of a nonneg state uses an unsigned map that clamps at 0)"
-                )
-                raise self.error(
-                    f"state '{stmt.target}' is declared nonneg, but this value can be negative{why}"
-                    f" (its lower bound is {ir.format_number(r.lo)})",
-                    stmt.value.loc,
-                    hint=hint,
-                )
-            bounds.assign(stmt.target, _Range(max(r.lo, 0.0), max(r.hi, 0.0), r.nan) if stmt.target in nonneg else r)
-
     def run(self) -> None:
         self.check_declarations()
         self.check_body_structure()
@@ -755,382 +624,11 @@ class _Checker:
         failing = []
         for combo in combos:
             try:
-                self.check_nonneg(combo, qualify=False)
+                check_nonneg(self.spec, combo, qualify=False)
             except SpecError:
                 failing.append(combo)
         if failing:
-            self.check_nonneg(failing[0], qualify=len(failing) < len(combos))
-
-
-_INF = math.inf
-
-
-@dataclass(frozen=True)
-class _Range:
-    """What the analysis knows of a value: every non-NaN value lies in [lo, hi]; `nan`: it may be NaN.
-
-    Bounds are never NaN (a bound computation that gives NaN, such as inf + -inf, means
-    unbounded on that side).  Zero's sign is not tracked: a range that reaches 0 may hold
-    -0.0, so dividing by it (or rsqrt of it) can give -inf.
-    """
-
-    lo: float
-    hi: float
-    nan: bool = False
-
-    @staticmethod
-    def of(lo: float, hi: float, nan: bool) -> "_Range":
-        return _Range(-_INF if math.isnan(lo) else lo, _INF if math.isnan(hi) else hi, nan)
-
-    def has(self, x: float) -> bool:
-        return self.lo <= x <= self.hi
-
-    def union(self, other: "_Range") -> "_Range":
-        return _Range(min(self.lo, other.lo), max(self.hi, other.hi), self.nan or other.nan)
-
-
-_ANY = _Range(-_INF, _INF, True)
-_UNIT = _Range(0.0, 1.0)  # booleans, and the weights of the moving averages below
-
-
-def _times(x: float, y: float) -> float:
-    return 0.0 if x == 0 or y == 0 else x * y  # 0 * inf counts as 0 (a bound, not a value: see `_mul`)
-
-
-def _mul(a: _Range, b: _Range) -> _Range:
-    products = [_times(x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
-    # 0 * inf is NaN: the only value the 0-as-product bounds above leave out.
-    nan = a.nan or b.nan or (a.has(0) and math.isinf(max(-b.lo, b.hi))) or (b.has(0) and math.isinf(max(-a.lo, a.hi)))
-    return _Range.of(min(products), max(products), nan)
-
-
-def _add(a: _Range, b: _Range) -> _Range:
-    nan = a.nan or b.nan or (a.hi == _INF and b.lo == -_INF) or (a.lo == -_INF and b.hi == _INF)
-    return _Range.of(a.lo + b.lo, a.hi + b.hi, nan)
-
-
-def _neg(a: _Range) -> _Range:
-    return _Range(-a.hi, -a.lo, a.nan)
-
-
-def _monotone(f, a: _Range, low: float, high: float) -> _Range:
-    """An increasing function with values in [low, high], applied to a."""
-
-    def at(x: float, fallback: float) -> float:
-        try:
-            return f(x)
-        except (OverflowError, ValueError):
-            return fallback
-
-    return _Range.of(max(low, at(a.lo, low)), min(high, at(a.hi, high)), a.nan)
-
-
-def _min(a: _Range, b: _Range) -> _Range:
-    out = _Range(min(a.lo, b.lo), min(a.hi, b.hi), a.nan or b.nan)
-    # Where one side is NaN the kernels and the reference give NaN (docs/LANGUAGE.md 8.1); the union with the
-    # other side keeps the proof sound for a spelling that returned the other operand instead.
-    if a.nan:
-        out = out.union(b)
-    if b.nan:
-        out = out.union(a)
-    return out
-
-
-def _max(a: _Range, b: _Range) -> _Range:
-    return _neg(_min(_neg(a), _neg(b)))
-
-
-def _factors(e: ir.Expr) -> list[ir.Expr]:
-    """The factors of a product `a * b * c` (a single factor for anything else), left to right."""
-    out: list[ir.Expr] = []
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, ir.Binary) and x.op == "mul":
-            stack += [x.right, x.left]
-        else:
-            out.append(x)
-    return out
-
-
-def _remove(items: list[ir.Expr], wanted: list[ir.Expr]) -> Optional[list[ir.Expr]]:
-    """`items` less one occurrence of each of `wanted` (compared as trees), or None if one is missing."""
-    rest = list(items)
-    for w in wanted:
-        i = next((i for i, x in enumerate(rest) if x == w), None)
-        if i is None:
-            return None
-        rest.pop(i)
-    return rest
-
-
-def _const_value(e: ir.Expr) -> Optional[float]:
-    if isinstance(e, ir.Num):
-        return e.value
-    if isinstance(e, ir.Unary) and e.op == "neg":
-        v = _const_value(e.operand)
-        return None if v is None else -v
-    return None
-
-
-# The forms the proof knows, as the nonneg hint quotes them.
-PROVEN_FORMS = (
-    "squares (x * x, c * g * g, x ** 2), sqrt, abs, exp, sums and products of non-negative values, their "
-    "quotients by positive values, min of non-negative values, max with a non-negative side; the moving averages v + c * (x - v), v - c * (v - x) and (1 - c) * v + c * x; "
-    "and Yogi's v - c * sign(v - x) * x; each with c in [0, 1] and v, x non-negative"
-)
-
-
-class _Bounds:
-    """Interval analysis of a specialized update: a `_Range` for every value.
-
-    Hyperparameters take their declared ranges, `step` is >= 1, nonneg states
-    are >= 0, everything else per-element is unbounded.  A product is split
-    into its factors so that `c * g * g` is seen as `c * g²` (g² >= 0), and the
-    moving averages of `PROVEN_FORMS` are recognised (`_weighted_floor`).
-
-    What is proven is: every value that is not NaN is >= the lower bound.  A
-    nonneg state may hold NaN (inf - inf in `v + c * (x - v)`, say), as any state
-    may, and a NaN is not made worse by the unsigned int8 map.  Where NaN meets
-    min, max or clamp, the kernels and the reference give NaN (docs/LANGUAGE.md
-    8.1); the bounds also cover the other operand, so they would stay sound
-    for a spelling that returned it.  The bounds are those of exact arithmetic on
-    the rounded inputs; fp32 rounding keeps a value >= 0 wherever the proof is
-    by signs (squares, sums and products of non-negative values) and can take a
-    moving average below 0 by at most an ulp of its inputs, far below an int8
-    code's step, where the unsigned map then stores 0.
-    """
-
-    def __init__(self, spec: ir.Spec, flags: dict[str, bool]) -> None:
-        self.flags = flags
-        self.notes: list[str] = []
-        self.memo: dict[int, _Range] = {}  # id(expr) -> its range, until the next assignment
-        self.env: dict[str, _Range] = {"step": _Range(1.0, _INF)}
-        for h in spec.hypers:
-            self.env[h.name] = _Range(h.interval.low, h.interval.high)
-        for s in spec.states:
-            self.env[s.name] = _Range(0.0, _INF, True) if s.nonneg else _ANY
-        for s in spec.scalars:
-            self.env[s.name] = _ANY
-        self.env["param"] = self.env["grad"] = _ANY
-
-    def assign(self, name: str, r: _Range) -> None:
-        self.env[name] = r
-        self.memo.clear()
-
-    def of(self, e: ir.Expr) -> _Range:
-        known = self.memo.get(id(e))
-        if known is not None:
-            return known
-        try:
-            r = self._of(e)
-        except (OverflowError, ValueError, ZeroDivisionError):  # pragma: no cover - bounds are guarded
-            r = _ANY
-        self.memo[id(e)] = r
-        return r
-
-    def _of(self, e: ir.Expr) -> _Range:
-        if isinstance(e, ir.Num):
-            return _Range(e.value, e.value)
-        if isinstance(e, (ir.BoolLit, ir.Given)):
-            return _UNIT
-        if isinstance(e, ir.Name):
-            return self.env.get(e.id, _ANY)
-        if isinstance(e, ir.Unary):
-            return _neg(self.of(e.operand)) if e.op == "neg" else _UNIT
-        if isinstance(e, ir.Binary):
-            if e.op == "mul":
-                return self._product(_factors(e))
-            if e.op in ("add", "sub"):
-                a, b = self.of(e.left), self.of(e.right)
-                r = _add(a, b if e.op == "add" else _neg(b))
-                if r.lo < 0 and self._weighted_floor(e):
-                    r = _Range(0.0, max(r.hi, 0.0), r.nan)
-                return r
-            if e.op == "div":
-                return self._quotient(self.of(e.left), self.of(e.right))
-            if e.op == "pow":
-                return self._power(e)
-            return _UNIT  # comparisons and logic
-        if isinstance(e, ir.Call):
-            return self._call(e)
-        return _ANY
-
-    def _quotient(self, a: _Range, b: _Range) -> _Range:
-        if b.lo > 0 or b.hi < 0:  # no zero in the divisor
-            recip = _Range(1.0 / b.hi if b.hi != _INF else 0.0, 1.0 / b.lo if b.lo != -_INF else 0.0)
-            if b.hi < 0:
-                recip = _Range(1.0 / b.hi, 1.0 / b.lo if b.lo != -_INF else 0.0)
-            r = _mul(a, recip)
-            inf_by_inf = math.isinf(max(-a.lo, a.hi)) and math.isinf(max(-b.lo, b.hi))
-            return _Range(r.lo, r.hi, a.nan or b.nan or inf_by_inf)
-        return _ANY  # x / 0 is inf of either sign (0 may be -0.0), 0 / 0 is NaN
-
-    def _power(self, e: ir.Binary) -> _Range:
-        a, b = self.of(e.left), self.of(e.right)
-        k = _const_value(e.right)
-        nan = a.nan or b.nan or a.lo < 0
-        if k == 0:
-            return _Range(1.0, 1.0)
-        if k is not None and float(k).is_integer() and k % 2 == 0:  # an even power: x ** 2, x ** -2
-            return _Range(0.0, _INF, a.nan)
-        if a.lo > 0 or (a.lo >= 0 and b.lo >= 0):  # (-0.0) ** -1 is -inf, hence a.lo > 0 for b < 0
-            return _Range(0.0, _INF, nan)
-        return _ANY
-
-    def _call(self, e: ir.Call) -> _Range:
-        f = e.func
-        if f == "where":
-            try:
-                taken = eval_static(e.args[0], self.flags)
-            except (AssertionError, KeyError):
-                taken = None
-            if taken is True:
-                return self.of(e.args[1])
-            if taken is False:
-                return self.of(e.args[2])
-            return self.of(e.args[1]).union(self.of(e.args[2]))
-        args = [self.of(x) for x in e.args]
-        if f == "min" and len(args) == 2:
-            return _min(*args)
-        if f == "max" and len(args) == 2:
-            return _max(*args)
-        if f == "clamp" and len(args) == 3:  # min(max(x, lo), hi), also when lo > hi (then every value is hi)
-            return _min(_max(args[0], args[1]), args[2])
-        if len(args) != 1:
-            if f == "atan2" and len(args) == 2:
-                return _Range(-math.pi, math.pi, args[0].nan or args[1].nan)
-            return _ANY
-        a = args[0]
-        if f == "sqrt":
-            if a.hi < 0:
-                return _Range(0.0, 0.0, True)  # every value is NaN
-            return _Range(math.sqrt(max(a.lo, 0.0)), math.sqrt(a.hi), a.nan or a.lo < 0)
-        if f == "rsqrt":
-            if a.lo > 0:  # rsqrt(-0.0) is -inf, so 0 may not be in the range
-                return _Range(1.0 / math.sqrt(a.hi), 1.0 / math.sqrt(a.lo), a.nan)
-            return _ANY
-        if f == "exp":
-            return _monotone(math.exp, a, 0.0, _INF)
-        if f == "log":
-            lo = math.log(a.lo) if a.lo > 0 else -_INF
-            hi = math.log(a.hi) if a.hi > 0 else -_INF
-            return _Range(lo, hi, a.nan or a.lo < 0)
-        if f == "abs":
-            lo = 0.0 if a.has(0) else min(abs(a.lo), abs(a.hi))
-            return _Range(lo, max(abs(a.lo), abs(a.hi)), a.nan)
-        if f == "sign":  # sign(NaN) is NaN (torch) or 0
-            lo = -1.0 if a.lo < 0 else (0.0 if a.lo == 0 or a.nan else 1.0)
-            hi = 1.0 if a.hi > 0 else (0.0 if a.hi == 0 or a.nan else -1.0)
-            return _Range(lo, hi, a.nan)
-        if f == "tanh" or f == "erf":
-            return _monotone(math.tanh if f == "tanh" else math.erf, a, -1.0, 1.0)
-        if f == "atan":
-            return _monotone(math.atan, a, -math.pi / 2, math.pi / 2)
-        if f == "expm1":
-            return _monotone(math.expm1, a, -1.0, _INF)
-        if f == "log1p":
-            lo = math.log1p(a.lo) if a.lo > -1 else -_INF
-            hi = math.log1p(a.hi) if a.hi > -1 else -_INF
-            return _Range(lo, hi, a.nan or a.lo < -1)
-        return _ANY
-
-    def _product(self, factors: list[ir.Expr]) -> _Range:
-        result = _Range(1.0, 1.0)
-        remaining = list(factors)
-        while remaining:
-            f = remaining.pop(0)
-            twin = next((i for i, g in enumerate(remaining) if g == f), None)
-            if twin is not None:  # f * f >= 0
-                remaining.pop(twin)
-                r = self.of(f)
-                hi = max(_times(r.lo, r.lo), _times(r.hi, r.hi))
-                lo = 0.0 if r.has(0) else min(_times(r.lo, r.lo), _times(r.hi, r.hi))
-                result = _mul(result, _Range(lo, hi, r.nan))
-            else:
-                result = _mul(result, self.of(f))
-        return result
-
-    def _weighted_floor(self, e: ir.Binary) -> bool:
-        """Whether `e` is one of the moving averages of `PROVEN_FORMS`, hence >= 0.
-
-        `v + P` or `P + v` where the factors of P are (x - v) and weights whose product
-        is in [0, 1]; `v - P` with (v - x); Yogi's `v - P` with sign(v - x) and x's own
-        factors (`v + P` with sign(x - v)).  With v, x >= 0 each is a mix of v and x (or
-        moves v towards 0 by less than x when v > x).  The two reads of v are one value:
-        the lowering computes equal subexpressions once.
-        """
-        terms = [(e.left, e.right)] if e.op == "sub" else [(e.left, e.right), (e.right, e.left)]
-        for v, p in terms:
-            factors = _factors(p)
-            for i, f in enumerate(factors):
-                rest = factors[:i] + factors[i + 1:]
-                x = None
-                if isinstance(f, ir.Binary) and f.op == "sub":
-                    # v + c * (x - v) ; v - c * (v - x)
-                    if e.op == "add" and f.right == v:
-                        x = f.left
-                    elif e.op == "sub" and f.left == v:
-                        x = f.right
-                elif isinstance(f, ir.Call) and f.func == "sign" and len(f.args) == 1:
-                    d = f.args[0]
-                    if isinstance(d, ir.Binary) and d.op == "sub":
-                        # v - c * sign(v - x) * x ; v + c * sign(x - v) * x
-                        if e.op == "sub" and d.left == v:
-                            x = d.right
-                        elif e.op == "add" and d.right == v:
-                            x = d.left
-                        if x is not None:
-                            rest = _remove(rest, _factors(x))
-                            if rest is None:
-                                continue
-                if x is None:
-                    continue
-                weight = self._product(rest)
-                form = print_expr(e)
-                rv, rx = self.of(v), self.of(x)
-                if rv.lo < 0 or rx.lo < 0:
-                    side, r = (print_expr(v), rv) if rv.lo < 0 else (print_expr(x), rx)
-                    self.notes.append(
-                        f"'{form}' is a moving average, non-negative when its two ends are; "
-                        f"'{side}' can be negative (its lower bound is {ir.format_number(r.lo)})"
-                    )
-                    continue
-                if weight.lo < 0 or weight.hi > 1:
-                    what = " * ".join(print_expr(w) for w in rest) or "1"
-                    self.notes.append(
-                        f"'{form}' is a moving average, non-negative when its weight is in [0, 1]; "
-                        f"'{what}' is in [{ir.format_number(weight.lo)}, {ir.format_number(weight.hi)}]"
-                    )
-                    continue
-                return True
-        return False
-
-
-def _children(expr: ir.Expr) -> tuple[ir.Expr, ...]:
-    if isinstance(expr, ir.Unary):
-        return (expr.operand,)
-    if isinstance(expr, ir.Binary):
-        return (expr.left, expr.right)
-    if isinstance(expr, ir.Call):
-        return expr.args
-    if isinstance(expr, ir.Index):
-        return (expr.base,) + expr.indices
-    if isinstance(expr, ir.Attribute):
-        return (expr.base,)
-    if isinstance(expr, ir.Method):
-        return (expr.base,) + expr.args
-    return ()
-
-
-def _iter_names(expr: ir.Expr) -> Iterator[ir.Name]:
-    """Every name `expr` reads, left to right."""
-    stack = [expr]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, ir.Name):
-            yield e
-        stack.extend(reversed(_children(e)))
+            check_nonneg(self.spec, failing[0], qualify=len(failing) < len(combos))
 
 
 def _reads(expr: ir.Expr, flags: dict[str, bool]) -> Iterator[ir.Name]:
@@ -1148,7 +646,7 @@ def _reads(expr: ir.Expr, flags: dict[str, bool]) -> Iterator[ir.Name]:
             else:
                 stack.append(e.args[1] if taken else e.args[2])
         else:
-            stack.extend(reversed(_children(e)))
+            stack.extend(reversed(children(e)))
 
 
 def _implies_given(expr: ir.Expr, name: str) -> bool:

@@ -22,8 +22,8 @@ from typing import Optional
 import jinja2
 
 from . import ir
-from .checker import describe_combo, runtime_flags
-from .checker import variants as checker_variants
+from .variants import describe_combo, runtime_flags
+from .variants import variants as compiled_variants
 from .lowering import Instr, Lowered, Operand, lower_all
 
 __all__ = ["render_module", "compiler_hash", "spec_hash", "read_stamp", "Stamp", "OUTPUTS", "TEMPLATE_NAMES",
@@ -36,7 +36,8 @@ GENERATOR_VERSION = "2"
 # compiler hash.  The kernel library (kernels/triton_lib.py, kernels/gluon_lib.py) is imported by the
 # generated code, never copied into it, so it is not here: regenerating after changing it writes the
 # same bytes.  tests/test_cache.py checks that this list is the import closure of the pipeline.
-COMPILER_MODULES = ("checker", "codegen", "errors", "ir", "lowering", "parser", "printer", "scalar_ops")
+COMPILER_MODULES = ("checker", "codegen", "errors", "ir", "lowering", "nonneg", "parser", "printer", "scalar_ops",
+                    "variants")
 
 
 def _template_text(name: str) -> str:
@@ -378,7 +379,7 @@ def render_module(spec: ir.Spec, output: str = "cache") -> str:
         spec_hash=spec_hash(spec.source),
         template_names=", ".join(TEMPLATE_NAMES),
         compiler_hash=compiler_hash(),
-        flag_names=[name for name, _ in checker_variants(spec)[0]],
+        flag_names=[name for name, _ in compiled_variants(spec)[0]],
         runtime_flag_names=sorted(runtime_flags(spec)),
         all_states=[s.name for s in spec.states],
         variants=variants,

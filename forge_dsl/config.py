@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from . import ir
-from .checker import Combo, variant_of
 from .errors import did_you_mean
-from .scalar_ops import apply_scalar_op
+from .variants import Combo, evaluate, variant_of
 
-__all__ = ["StepConfig", "resolve_hypers", "eval_host_expr", "check_step", "check_seed"]
+__all__ = ["StepConfig", "resolve_hypers", "check_step", "check_seed"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,8 @@ class StepConfig:
             optional one (`hyper t = none`) not given, which the update then does not read (the
             checker proves it: only flag combinations with a true `given(t)` flag read it).
         flags: every flag and derived flag.
-        combo: the flag combination, in `checker.combinations` order.
-        variant: the compiled variant that runs it (`checker.variant_of`: without the runtime flags).
+        combo: the flag combination, in `variants.combinations` order.
+        variant: the compiled variant that runs it (`variants.variant_of`: without the runtime flags).
         host_inputs: what a variant's host program reads by name: `hypers` and the flags (the runtime
             flags' values among them).
     """
@@ -48,23 +47,6 @@ class StepConfig:
     def __post_init__(self) -> None:
         # derived once, here, so that dataclasses.replace(cfg, hypers=...) never keeps a stale copy
         object.__setattr__(self, "host_inputs", {**self.hypers, **self.flags})
-
-
-def eval_host_expr(expr: ir.Expr, values: Mapping[str, Any]):
-    """Evaluate an expression over hyperparameters and flags (Python floats and bools)."""
-    if isinstance(expr, (ir.Num, ir.BoolLit)):
-        return expr.value
-    if isinstance(expr, ir.Given):
-        return values[expr.name] is not None
-    if isinstance(expr, ir.Name):
-        return values[expr.id]
-    if isinstance(expr, ir.Unary):
-        return apply_scalar_op(expr.op, eval_host_expr(expr.operand, values))
-    if isinstance(expr, ir.Binary):
-        return apply_scalar_op(expr.op, eval_host_expr(expr.left, values), eval_host_expr(expr.right, values))
-    if isinstance(expr, ir.Call):
-        return apply_scalar_op(expr.func, *(eval_host_expr(a, values) for a in expr.args))
-    raise AssertionError(expr)
 
 
 def _tensor_item(label: str, value: Any, what: str) -> Any:
@@ -211,10 +193,10 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
     scope: dict[str, Any] = dict(values)
     scope.update(flag_values)
     for d in spec.derived:
-        flag_values[d.name] = bool(eval_host_expr(d.expr, scope))
+        flag_values[d.name] = bool(evaluate(d.expr, scope))
         scope[d.name] = flag_values[d.name]
     for r in spec.requires:
-        if not eval_host_expr(r.condition, scope):
+        if not evaluate(r.condition, scope):
             raise ValueError(f"{spec.name}: {r.message}")
     combo = tuple((f.name, flag_values[f.name]) for f in spec.flags) + tuple(
         (d.name, flag_values[d.name]) for d in spec.derived

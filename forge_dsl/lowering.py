@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from . import ir
-from .checker import Combo, Level, runtime_flags, specialize, states_present, variant_of, variants
+from .checker import Level
+from .variants import Combo, assignments, runtime_flags, specialize, states_present, variant_of, variants
 from .scalar_ops import apply_scalar_op
 
 __all__ = ["Operand", "Instr", "Lowered", "lower", "lower_all", "ELEMENT_INPUTS", "HOST_INPUTS"]
@@ -38,7 +39,7 @@ class Operand:
 
     kind:
       'const'            a literal (`value` is a float or a bool);
-      'hyper', 'flag', 'step', 'scalar'   host inputs, by name ('flag': a `checker.runtime_flags`
+      'hyper', 'flag', 'step', 'scalar'   host inputs, by name ('flag': a `variants.runtime_flags`
                          flag, a bool);
       'host'             a host scalar computed by `Lowered.host`;
       'param', 'grad', 'state'    per-element inputs (the values before the step);
@@ -235,8 +236,8 @@ def _build(graph: _Graph, expr: ir.Expr, env: dict[str, _Node]) -> _Node:
 
 
 def lower(spec: ir.Spec, combo: Combo) -> Lowered:
-    """Lower a checked spec for one combination of flag values (see `checker.combinations`): the program of
-    its compiled variant (`checker.variant_of`), which reads the runtime flags as host inputs."""
+    """Lower a checked spec for one combination of flag values (see `variants.combinations`): the program of
+    its compiled variant (`variants.variant_of`), which reads the runtime flags as host inputs."""
     return _lower_cached(spec, variant_of(spec, tuple(combo)))
 
 
@@ -273,7 +274,7 @@ def _lower_cached(spec: ir.Spec, combo: Combo) -> Lowered:
     taken = {h.name for h in spec.hypers} | {s.name for s in spec.states} | {s.name for s in spec.scalars}
     taken |= {f.name for f in spec.flags} | {d.name for d in spec.derived} | {g.name for g in spec.groups}
     taken |= {"param", "grad", "step"}
-    taken |= {s.target for s in _all_assigns(spec.body)}
+    taken |= {s.target for s in assignments(spec.body)}
     names: dict[int, str] = {}
     used_names: set[str] = set()
     counter = [0]
@@ -371,15 +372,6 @@ def _lower_cached(spec: ir.Spec, combo: Combo) -> Lowered:
     )
 
 
-def _all_assigns(body):
-    for stmt in body:
-        if isinstance(stmt, ir.Assign):
-            yield stmt
-        else:
-            yield from _all_assigns(stmt.then)
-            yield from _all_assigns(stmt.orelse)
-
-
 def lower_all(spec: ir.Spec) -> list[Lowered]:
-    """One `Lowered` per compiled variant, in `checker.variants` order."""
+    """One `Lowered` per compiled variant, in `variants.variants` order."""
     return [lower(spec, combo) for combo in variants(spec)]

@@ -17,6 +17,7 @@ from . import ir
 from .config import StepConfig, check_step, resolve_hypers
 from .lowering import Lowered, Operand, lower
 from .scalar_ops import apply_scalar_op
+from .variants import states_present
 
 __all__ = ["run_host_program", "scalar_updates", "reference_step", "initial_value", "initial_values", "ParamCopy",
            "plain_state"]
@@ -35,9 +36,8 @@ def initial_value(spec: ir.Spec, init: ir.Expr, hypers: Mapping[str, float]) -> 
 def initial_values(spec: ir.Spec, cfg: StepConfig) -> dict[str, Union[float, ParamCopy]]:
     """The initial value of each per-element state present for these flags: the number every element
     starts at, or a `ParamCopy` for a state that starts as (minus) the weight (`ir.State.starts_from_param`)."""
-    present = lower(spec, cfg.combo).states
     return {s.name: (_param_sign(s) if s.starts_from_param else initial_value(spec, s.init, cfg.hypers))
-            for s in spec.states if s.name in present}
+            for s in states_present(spec, cfg.flags)}
 
 
 def _param_sign(s: ir.State) -> ParamCopy:

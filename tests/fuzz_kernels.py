@@ -53,7 +53,7 @@ import torch
 
 import forge_dsl
 from forge_dsl import ir, kernels
-from forge_dsl.checker import combinations
+from forge_dsl.variants import combinations
 from forge_dsl.config import resolve_hypers
 from forge_dsl.kernels import compiled
 from forge_dsl.lowering import Lowered, Operand, lower

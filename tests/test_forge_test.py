@@ -15,7 +15,7 @@ import torch
 
 import forge_dsl
 from forge_dsl import codegen
-from forge_dsl.checker import combinations
+from forge_dsl.variants import combinations
 from forge_dsl.config import resolve_hypers
 from forge_dsl.testing import (UPDATE_FLOOR, UPDATE_REL, UPDATE_ULPS, Case, K, N, RoundingMean, bf16_ulp,
                                check_reference, check_spec_kernels, covering_combos, draw_keywords, dw_error_bound,

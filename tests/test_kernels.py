@@ -27,7 +27,7 @@ import forge_dsl
 from references import ADAMAX
 from forge_dsl import kernels
 from forge_dsl.kernels import checks, launch, policy
-from forge_dsl.checker import combinations, describe_combo
+from forge_dsl.variants import combinations, describe_combo
 from forge_dsl.config import resolve_hypers
 from forge_dsl.layouts import StateLayout
 from forge_dsl.testing import (FP32_REL_TOL, HALVES_CONFIG, K, N, SPLIT_CONFIGS, T, WS_CONFIG, WS_EPILOGUES,

@@ -296,7 +296,7 @@ def test_reuse_is_off_with_triton_debug_or_instrumentation(monkeypatch):
 
 
 def test_a_runtime_flag_switching_between_steps_reuses_one_entry(recorder, monkeypatch):
-    """adamw's maximize is a runtime flag (`checker.runtime_flags`): one compiled variant and one prepared
+    """adamw's maximize is a runtime flag (`variants.runtime_flags`): one compiled variant and one prepared
     entry serve both values. Its host value is an int that Triton specializes on 1, so the first step with
     each value takes the checked path (and its kernel is kept), every later one is reused with the
     arguments the checked path binds, h_maximize among them."""

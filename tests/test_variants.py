@@ -1,4 +1,4 @@
-"""Which flags get compiled variants of their own (`checker.runtime_flags`), and that a runtime flag's
+"""Which flags get compiled variants of their own (`variants.runtime_flags`), and that a runtime flag's
 two values, run by one compiled variant, each match the reference step.
 
 A flag read only inside the update's expressions (`g = where(maximize, -grad, grad)`) is a host value
@@ -13,7 +13,7 @@ import torch
 
 import forge_dsl
 from forge_dsl import kernels
-from forge_dsl.checker import combinations, runtime_flags, variant_of, variants
+from forge_dsl.variants import combinations, runtime_flags, variant_of, variants
 from forge_dsl.kernels.compiled import compiled_module
 from forge_dsl.testing import rel_err
 

@@ -288,7 +288,7 @@ def sign_tie_allowance(spec, hypers: dict, x_dtype: torch.dtype, path: str) -> O
 
 
 def _uses_sign(spec) -> bool:
-    from ..checker import combinations
+    from ..variants import combinations
     from ..lowering import lower
 
     return any(i.op == "sign" for combo in combinations(spec) for i in lower(spec, combo).elem)

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import ir
-from ..checker import Combo, combinations
+from ..variants import Combo, combinations
 from ..config import resolve_hypers
 
 __all__ = ["default_device", "make_problem", "layout_for", "draw_keywords", "default_combo", "covering_combos",
