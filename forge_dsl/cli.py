@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .api import load_spec
+from .loading import load_spec
 from .codegen import read_stamp, render_module
 from .errors import SpecError
 from .kernels.compiled import atomic_write, default_out, register

@@ -15,6 +15,7 @@ import torch
 
 from . import ir
 from .config import StepConfig, check_step, resolve_hypers
+from .loading import load_spec
 from .lowering import Lowered, Operand, lower
 from .scalar_ops import apply_scalar_op
 from .variants import states_present
@@ -179,8 +180,6 @@ def reference_step(
         ValueError: a hyperparameter outside its range, a failed `require`, or
             tensors that do not match.
     """
-    from .api import load_spec  # late import: api is the top of the stack
-
     spec = load_spec(spec)
     cfg = resolve_hypers(spec, hypers, caller="reference_step")
     low = lower(spec, cfg.combo)

@@ -22,7 +22,7 @@ from typing import Any, MutableMapping, Optional, Protocol
 
 import torch
 
-from .api import SpecLike
+from .loading import SpecLike
 
 __all__ = ["RowSink", "AutogradRows", "ParamUpdateRows"]
 

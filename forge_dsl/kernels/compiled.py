@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from .. import ir
-from ..api import SpecLike, load_spec
+from ..loading import SpecLike, load_spec
 from ..codegen import compiler_hash, read_stamp, render_module, spec_hash
 
 __all__ = ["compiled_module", "module_path", "cache_dir", "default_out", "register", "atomic_write",

@@ -30,7 +30,7 @@ from typing import Any, Hashable, MutableMapping, Optional, Sequence
 
 import torch
 
-from ..api import SpecLike, load_spec
+from ..loading import SpecLike, load_spec
 from ..layouts import BLOCK, as_rows, holds_codes, layout_of, n_blocks, storage_shape
 from .launch import step as elementwise_step
 

@@ -27,7 +27,7 @@ from typing import Any, MutableMapping, Optional
 
 import torch
 
-from ..api import SpecLike, load_spec
+from ..loading import SpecLike, load_spec
 from ..config import check_step, resolve_hypers
 from ..layouts import holds_codes
 from . import prepared
