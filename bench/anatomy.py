@@ -38,12 +38,12 @@ import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.bench import kernel as bench_kernel
 from forge_dsl.bench.common import device_name, git_commit, graph_ms as common_graph_ms
-from forge_dsl.config import resolve_hypers
+from forge_dsl.spec.keywords import resolve_hypers
 from forge_dsl.generated import adamw as adamw_module
 from forge_dsl.kernels import TileConfig
 from forge_dsl.kernels.policy import fused_config, interpreting
 from forge_dsl.kernels.tile_kernels import apply_tile, load_tile
-from forge_dsl.kernels.triton_lib import accumulate_dw, accumulate_dw_halves, tile_at, tile_offsets
+from forge_dsl.kernels.tile_lib import accumulate_dw, accumulate_dw_halves, tile_at, tile_offsets
 
 CONFIGS = {
     "64x64 w4 s4 TMA": TileConfig(64, 64, 64, 8, 4, 4, tma=True),

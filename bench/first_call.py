@@ -31,8 +31,9 @@ def main() -> int:
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-first-call-"))
     os.environ.setdefault("FORGE_DSL_CACHE", tempfile.mkdtemp(prefix="forge-first-call-"))
     import forge_dsl
-    from forge_dsl import codegen, kernels
-    from forge_dsl.kernels import compiled
+    from forge_dsl.compiler import codegen
+    from forge_dsl import kernels
+    from forge_dsl.compiler import loader as compiled
 
     n, k, t = (1024, 1024, 512) if device.type == "cuda" else (72, 136, 40)
     rows = []

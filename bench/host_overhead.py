@@ -8,7 +8,7 @@ For AdamW with bf16 and int8 state, on a 1024×4096 layer at 16 and 512 tokens (
 the call: the host sets the pace) and a 4096² layer at 2048 tokens, `calls` steps are issued back to back
 with one synchronize at the end: "host" is the time to issue them, "wall" until the GPU has done them, both
 per call. Where host ≈ wall, the GPU waited for the host. Each case runs twice, side by side: every call
-checked (`prepared.set_enabled(False)`), then with launches reused (forge_dsl/kernels/prepared.py, the
+checked (`prepared.set_enabled(False)`), then with launches reused (forge_dsl/kernels/reuse.py, the
 default). docs/PERF.md, v9c and v14.
 """
 
@@ -20,7 +20,7 @@ import time
 import torch
 
 import forge_dsl
-from forge_dsl.kernels import launch, launches, prepared
+from forge_dsl.kernels import steps as launch, kernel_calls as launches, reuse as prepared
 
 CASES = [("bf16", 1024, 4096, 16), ("bf16", 1024, 4096, 512), ("bf16", 4096, 4096, 2048),
          ("int8", 1024, 4096, 16), ("int8", 1024, 4096, 512), ("int8", 4096, 4096, 2048)]

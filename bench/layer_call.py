@@ -24,7 +24,7 @@ import time
 import torch
 
 import forge_dsl
-from forge_dsl.kernels import launch
+from forge_dsl.kernels import steps as launch
 
 SHAPES = {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (14336, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import forge_dsl
-from forge_dsl.kernels.launch import fused_linear_step
+from forge_dsl.kernels.steps import fused_linear_step
 
 
 def main() -> None:

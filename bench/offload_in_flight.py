@@ -7,7 +7,7 @@ bound on copies in flight costs (PERF v22).
 import os
 import sys
 
-from forge_dsl import offload
+from forge_dsl.training import offload
 from forge_dsl.bench import __main__ as bench_main
 
 limit = int(os.environ["FORGE_IN_FLIGHT_MIB"]) << 20

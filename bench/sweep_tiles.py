@@ -19,7 +19,7 @@ import triton
 import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.bench.common import graph_ms
-from forge_dsl.kernels import TileConfig, launches
+from forge_dsl.kernels import TileConfig, kernel_calls as launches
 
 # TileConfig(block_t, block_n, block_k, group_n, num_warps, num_stages, k_halves, tma, ...). docs/PERF.md (v1-v4) has
 # the results of this list and of the lists it replaced (loading W and state after the token loop; persistent

@@ -29,8 +29,8 @@ import torch
 import forge_dsl
 from forge_dsl.kernels import TileConfig
 from forge_dsl.kernels.gluon_lib import TIMELINE_SLOTS, sm_count
-from forge_dsl.kernels.launch import ParamUpdate, fused_linear_step
-from forge_dsl.kernels.launches import launch_warp_specialized, triton_cdiv
+from forge_dsl.kernels.steps import ParamUpdate, fused_linear_step
+from forge_dsl.kernels.kernel_calls import launch_warp_specialized, triton_cdiv
 from forge_dsl.kernels.policy import fused_config, hopper_with_gluon
 
 SLOTS = int(TIMELINE_SLOTS.value if hasattr(TIMELINE_SLOTS, "value") else TIMELINE_SLOTS)

@@ -11,10 +11,10 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from . import ir
-from .config import resolve_hypers
-from .loading import SpecLike, builtin_names, builtin_path, load_spec
-from .layouts import as_rows, quantize, resolve_layout, rows_cols, storage_shape
+from .spec import ir
+from .spec.keywords import resolve_hypers
+from .spec.loading import SpecLike, builtin_names, builtin_path, load_spec
+from .kernels.layouts import as_rows, quantize, resolve_layout, rows_cols, storage_shape
 from .reference import ParamCopy, initial_scalars, initial_values, plain_state
 
 __all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "state_layout", "SpecLike"]
@@ -41,7 +41,7 @@ def init_state(
             `nonneg` use the unsigned maps; a state whose last dim is below 64
             stays fp32. "int4" stores two codes a byte, `[..., cols / 2]` (int8;
             uint8 for nonneg states), and keeps a state of an odd last dim fp32
-            (`forge_dsl.layouts`). States that must stay exact
+            (`forge_dsl.kernels.layouts`). States that must stay exact
             (`ir.State.must_stay_exact`: declared `exact`, or starting from `param`)
             are kept in fp32 under "bf16", "int8" and "int4"; a dict that names
             another layout for one raises (`state_layout`).

@@ -13,12 +13,12 @@ from typing import Any, Mapping, MutableMapping, Union
 
 import torch
 
-from . import ir
-from .config import StepConfig, check_step, resolve_hypers
-from .loading import load_spec
-from .lowering import Lowered, Operand, lower
-from .scalar_ops import apply_scalar_op
-from .variants import states_present
+from .spec import ir
+from .spec.keywords import StepConfig, check_step, resolve_hypers
+from .spec.loading import load_spec
+from .compiler.lowering import Lowered, Operand, lower
+from .spec.scalar_ops import apply_scalar_op
+from .spec.variants import states_present
 
 __all__ = ["run_host_program", "scalar_updates", "reference_step", "initial_value", "initial_values", "ParamCopy",
            "plain_state"]

@@ -52,11 +52,12 @@ from typing import Optional
 import torch
 
 import forge_dsl
-from forge_dsl import ir, kernels
-from forge_dsl.variants import combinations
-from forge_dsl.config import resolve_hypers
-from forge_dsl.kernels import compiled
-from forge_dsl.lowering import Lowered, Operand, lower
+from forge_dsl.spec import ir
+from forge_dsl import kernels
+from forge_dsl.spec.variants import combinations
+from forge_dsl.spec.keywords import resolve_hypers
+from forge_dsl.compiler import loader as compiled
+from forge_dsl.compiler.lowering import Lowered, Operand, lower
 from forge_dsl.reference import _elementwise, _host_value, run_host_program
 from forge_dsl.testing import draw_keywords
 

@@ -123,7 +123,7 @@ def test_reference_step_float32_close_to_float64():
 
 
 def test_lowering_hoists_host_scalars_and_shares_subexpressions():
-    from forge_dsl.lowering import lower
+    from forge_dsl.compiler.lowering import lower
 
     spec = forge_dsl.load_spec("adamw")
     low = lower(spec, (("amsgrad", False), ("maximize", False)))
@@ -143,7 +143,7 @@ def test_lowering_hoists_host_scalars_and_shares_subexpressions():
 def test_init_state_encodes_like_quantizing_the_full_state(shape, layout):
     """init_state encodes one row and repeats it (no float32 copy of a large state); the result is the
     full float32 state quantized, bit for bit. Adagrad's accumulator starts at a non-zero value."""
-    from forge_dsl.layouts import quantize, resolve_layout
+    from forge_dsl.kernels.layouts import quantize, resolve_layout
 
     spec = forge_dsl.load_spec("adagrad")
     param = torch.randn(shape)

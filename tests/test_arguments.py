@@ -1,6 +1,6 @@
 """Bad arguments get a torch-style TypeError / ValueError that names them, before anything changes.
 
-The hyperparameters' values (`forge_dsl.config.resolve_hypers`), the step number and the rounding seed
+The hyperparameters' values (`forge_dsl.spec.keywords.resolve_hypers`), the step number and the rounding seed
 (`config.check_step`, `config.check_seed`) of every kernel entry point and of `reference_step`, meta tensors,
 `foreach_step`'s states, and layers with no rows or no columns (which are no error: nothing to update).
 """

@@ -25,7 +25,7 @@ import forge_dsl
 from forge_dsl.bench import kernel, model
 from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
-from forge_dsl.kernels.launches import mix_seed
+from forge_dsl.kernels.kernel_calls import mix_seed
 from forge_dsl.bench.__main__ import main
 from forge_dsl.bench.common import Progress, format_table, git_commit
 from forge_dsl.bench.lean_loss import InplaceCrossEntropy, causal_lm_loss_inplace
@@ -159,7 +159,7 @@ def test_model_saved_bytes_counts_every_offloaded_tensor_when_an_address_comes_b
 
 
 def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monkeypatch):
-    from forge_dsl.kernels import launch
+    from forge_dsl.kernels import steps as launch
 
     calls = []
     for path in ("fused_linear_step", "slab_linear_step"):
@@ -205,7 +205,7 @@ def tiny_ids(seed: int) -> torch.Tensor:
 def test_model_forge_int4_steps_every_weight_on_the_head_path_or_not(head):
     """forge-int4 with --forge-head on: the loss without logits; off: transformers' loss. Either way every Linear
     and Embedding weight is updated in backward (only the norms have a dense gradient) with int4 state."""
-    from forge_dsl import layouts
+    from forge_dsl.kernels import layouts
 
     net = tiny_bench_model(seed=3)
     method = model.ALL_METHODS["forge-int4"]

@@ -1,5 +1,5 @@
 """`ForgeOptimizer` under `torch.compile`: the fused Linear is a pair of torch custom ops
-(forge_dsl/fused_linear.py), so a compiled model has no graph break from FORGE, `fullgraph=True` works, and
+(forge_dsl/training/linear.py), so a compiled model has no graph break from FORGE, `fullgraph=True` works, and
 the numbers are eager's.
 
 With backend="aot_eager" (the graphs compiled, the kernels eager's) a compiled step must equal the eager

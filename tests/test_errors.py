@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from forge_dsl.checker import check_spec
-from forge_dsl.errors import SpecError
-from forge_dsl.parser import parse_spec
+from forge_dsl.spec.checker import check_spec
+from forge_dsl.spec.errors import SpecError
+from forge_dsl.spec.parser import parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "error_corpus"

@@ -20,7 +20,7 @@ from torch import nn
 
 import forge_dsl
 from forge_dsl import ForgeOptimizer, init_state
-from forge_dsl.kernels import launch, step
+from forge_dsl.kernels import steps as launch, step
 from forge_dsl.kernels.foreach import foreach_step, shared_launch_key
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

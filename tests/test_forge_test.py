@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import forge_dsl
-from forge_dsl import codegen
-from forge_dsl.variants import combinations
-from forge_dsl.config import resolve_hypers
+from forge_dsl.compiler import codegen
+from forge_dsl.spec.variants import combinations
+from forge_dsl.spec.keywords import resolve_hypers
 from forge_dsl.testing import (UPDATE_FLOOR, UPDATE_REL, UPDATE_ULPS, Case, K, N, RoundingMean, bf16_ulp,
                                check_reference, check_spec_kernels, covering_combos, draw_keywords, dw_error_bound,
                                main, run_case, update_bound, update_slack)
@@ -349,8 +349,8 @@ def test_covering_combos_cover_every_pair():
     flags = "".join(f"flag f{i} = false\n" for i in range(5))
     scale = " * ".join(f"where(f{i}, 1, 2)" for i in range(5))
     text = f"optimizer many\nhyper lr = 1e-3 in [0, inf)\n{flags}update {{\n    param = param - lr * grad * {scale}\n}}\n"
-    spec = forge_dsl.parser.parse_spec(text, "many.fopt")
-    spec = forge_dsl.checker.check_spec(spec)
+    spec = forge_dsl.spec.parser.parse_spec(text, "many.fopt")
+    spec = forge_dsl.spec.checker.check_spec(spec)
     chosen = covering_combos(spec)
     assert len(chosen) < 2**5 and chosen[0] == default_combo(spec) and all(v for _, v in chosen[1])
     for i, j in itertools.combinations(range(5), 2):

@@ -11,12 +11,12 @@ import math
 
 import pytest
 
-from forge_dsl import ir
-from forge_dsl.checker import check_spec
-from forge_dsl.config import resolve_hypers
-from forge_dsl.errors import SpecError
-from forge_dsl.lowering import lower_all
-from forge_dsl.parser import parse_spec
+from forge_dsl.spec import ir
+from forge_dsl.spec.checker import check_spec
+from forge_dsl.spec.keywords import resolve_hypers
+from forge_dsl.spec.errors import SpecError
+from forge_dsl.compiler.lowering import lower_all
+from forge_dsl.spec.parser import parse_spec
 
 
 def load(text: str) -> ir.Spec:

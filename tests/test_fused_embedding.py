@@ -1,4 +1,4 @@
-"""The fused embedding (forge_dsl/fused_embedding.py): its backward's row blocks against torch's own embedding
+"""The fused embedding (forge_dsl/training/embedding.py): its backward's row blocks against torch's own embedding
 gradient, its steps through `ParamUpdateRows` against torch.optim (and tests/references.py's Lion) stepping a
 copy from torch's gradient, rows without tokens included, the dense fallback, the bounded workspace and every
 refusal. Tiles are forced small (`tile_rows`) so that several tiles and a ragged last one occur. The kernels'
@@ -20,8 +20,8 @@ from references import LionFormula
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import forge_dsl
-from forge_dsl import fused_embedding as fe
-from forge_dsl.row_updates import AutogradRows, ParamUpdateRows
+from forge_dsl.training import embedding as fe
+from forge_dsl.training.row_updates import AutogradRows, ParamUpdateRows
 from forge_dsl.testing import weight_bound
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -281,7 +281,7 @@ SM90_SCRIPT = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from forge_dsl.fused_embedding import _BLOCK_T, _MAX_BLOCK_D
+from forge_dsl.training.embedding import _BLOCK_T, _MAX_BLOCK_D
 from forge_dsl.kernels.embedding_kernels import rows_grad
 from forge_dsl.kernels.sm90 import _resources
 aligned = ("GRAD", "ORDER", "OFFSETS", "BLOCK", "D", "stride_grad", "stride_block")  # as the JIT specializes D = 4096
@@ -345,7 +345,7 @@ def test_refusals_of_embedding():
     with pytest.raises(ValueError, match=r"bfloat16 tensor \[V, D\] \(what FORGE updates\), got torch.float16 of "
                                          r"shape \(20, 8\)"):
         fe.embedding(ids, weight.detach().half().requires_grad_(), sink=sink)
-    with pytest.raises(TypeError, match=r"sink must be a forge_dsl.row_updates.RowSink \(begin, grad_rows, finish\); "
+    with pytest.raises(TypeError, match=r"sink must be a forge_dsl.training.row_updates.RowSink \(begin, grad_rows, finish\); "
                                         r"object has no begin\(\)"):
         fe.embedding(ids, weight, sink=object())
     assert sink.calls == []

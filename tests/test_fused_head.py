@@ -1,4 +1,4 @@
-"""The LM head and cross-entropy without logits (forge_dsl/fused_head.py) against transformers' own loss.
+"""The LM head and cross-entropy without logits (forge_dsl/training/head_loss.py) against transformers' own loss.
 
 Every comparison is with transformers computing the loss the usual way (`lm_head(hidden)` then its
 `loss_function`) on fresh random data; the fused update of the head is checked against torch.optim.AdamW in
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import forge_dsl
-from forge_dsl import fused_head
-from forge_dsl.fused_head import causal_lm_loss
-from forge_dsl.row_updates import AutogradRows, ParamUpdateRows
+from forge_dsl.training import head_loss, hf_head
+from forge_dsl.training.head_loss import causal_lm_loss
+from forge_dsl.training.row_updates import AutogradRows, ParamUpdateRows
 from forge_dsl.testing import as_float64_state, dw_error_bound, weight_bound
 
 transformers = pytest.importorskip("transformers")
@@ -125,7 +125,7 @@ def test_the_whole_model_matches_its_own_loss():
         ref.loss.backward()
         ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
-        handle = fused_head.install(model, block_rows=128)
+        handle = hf_head.install(model, block_rows=128)
         out = model(ids, labels=labels, num_items_in_batch=torch.tensor(20))
         assert out.logits is None
         assert abs(out.loss.item() - ref.loss.item()) <= 2e-6 * abs(ref.loss.item())
@@ -135,7 +135,7 @@ def test_the_whole_model_matches_its_own_loss():
         handle.remove()
 
 
-@pytest.mark.parametrize("model_type", sorted(fused_head.SUPPORTED_MODEL_TYPES))
+@pytest.mark.parametrize("model_type", sorted(hf_head.SUPPORTED_MODEL_TYPES))
 def test_each_supported_model_type_matches_its_own_loss(model_type):
     """Each listed model type's forward in the installed transformers is lm_head then the causal-LM loss."""
     cfg = transformers.AutoConfig.for_model(model_type, **_llama_keywords())
@@ -149,7 +149,7 @@ def test_each_supported_model_type_matches_its_own_loss(model_type):
     ref.loss.backward()
     ref_dw = model.lm_head.weight.grad.clone()
     model.zero_grad()
-    fused_head.install(model, block_rows=128)
+    hf_head.install(model, block_rows=128)
     out = model(ids, labels=labels)
     out.loss.backward()
     assert abs(out.loss.item() - ref.loss.item()) <= 2e-6 * abs(ref.loss.item())
@@ -363,13 +363,13 @@ def test_compiled_loss_is_the_plain_path():
 
 
 def test_vocab_block_rows():
-    assert fused_head.vocab_block_rows(2048, 128256) == 16384
-    assert fused_head.vocab_block_rows(8192, 128256) == 4096
-    assert fused_head.vocab_block_rows(24, 300) == 300  # the whole vocabulary: one block
-    assert fused_head.vocab_block_rows(10**7, 128256) == 128  # never fewer than 128 rows
+    assert head_loss.vocab_block_rows(2048, 128256) == 16384
+    assert head_loss.vocab_block_rows(8192, 128256) == 4096
+    assert head_loss.vocab_block_rows(24, 300) == 300  # the whole vocabulary: one block
+    assert head_loss.vocab_block_rows(10**7, 128256) == 128  # never fewer than 128 rows
     for tokens in (1, 100, 2048, 5000, 70000):
-        rows = fused_head.vocab_block_rows(tokens, 10**6)
-        assert rows == 10**6 or rows % 128 == 0 and (rows == 128 or tokens * rows * 4 <= fused_head.LOGITS_BLOCK_BYTES)
+        rows = head_loss.vocab_block_rows(tokens, 10**6)
+        assert rows == 10**6 or rows % 128 == 0 and (rows == 128 or tokens * rows * 4 <= head_loss.LOGITS_BLOCK_BYTES)
 
 
 # ----------------------------------------------------------------------------
@@ -391,7 +391,7 @@ def test_install_trains_with_the_sink_and_leaves_generation_alone(tied):
         asked.append(weight)
         return sink
 
-    handle = fused_head.install(model, sink_for=sink_for, block_rows=128)
+    handle = hf_head.install(model, sink_for=sink_for, block_rows=128)
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), greedy)
     assert torch.equal(model(ids).logits, logits)  # without labels: the model's own forward
     out = model(ids, labels=ids)
@@ -418,7 +418,7 @@ def test_tied_head_matches_its_own_loss():
     ref.loss.backward()
     ref_grad = model.lm_head.weight.grad.clone()
     model.zero_grad()
-    fused_head.install(model, sink_for=lambda w: RecordingSink(), block_rows=128)
+    hf_head.install(model, sink_for=lambda w: RecordingSink(), block_rows=128)
     out = model(ids, labels=ids)
     out.loss.backward()
     assert abs(out.loss.item() - ref.loss.item()) <= 2e-6 * abs(ref.loss.item())
@@ -428,18 +428,18 @@ def test_tied_head_matches_its_own_loss():
 def test_copies_of_an_installed_model_are_plain():
     model = tiny_llama(seed=8)
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(3))
-    handle = fused_head.install(model)
+    handle = hf_head.install(model)
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)
     copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buf, weights_only=False)]
     for c in copies:
-        assert not isinstance(c.__dict__.get("forward"), fused_head._HeadForward)
+        assert not isinstance(c.__dict__.get("forward"), hf_head._HeadForward)
         out = c(ids, labels=ids)
         assert out.logits is not None  # its own forward: the logits are there
         ours_loss = model(ids, labels=ids).loss  # the installed original's
         assert abs(out.loss.item() - ours_loss.item()) <= 2e-6 * abs(ours_loss.item())
-        h = fused_head.install(c)  # a copy can be installed, and removed, again
+        h = hf_head.install(c)  # a copy can be installed, and removed, again
         assert c(ids, labels=ids).logits is None
         h.remove()
         assert c(ids, labels=ids).logits is not None
@@ -498,7 +498,7 @@ def _instance_forward():
 
 def _installed_twice():
     model = tiny_llama()
-    fused_head.install(model)
+    hf_head.install(model)
     return model
 
 
@@ -529,22 +529,22 @@ def test_install_refusals(case):
     model = make()
     before = model.__dict__.get("forward") if isinstance(model, torch.nn.Module) else None
     with pytest.raises(ValueError, match=message):
-        fused_head.install(model)
+        hf_head.install(model)
     if isinstance(model, torch.nn.Module):
         assert model.__dict__.get("forward") is before
 
 
 def test_install_argument_refusals():
     with pytest.raises(TypeError, match="sink_for must be a callable"):
-        fused_head.install(tiny_llama(), sink_for=3)
+        hf_head.install(tiny_llama(), sink_for=3)
     with pytest.raises(ValueError, match="block_rows must be a positive int"):
-        fused_head.install(tiny_llama(), block_rows=0)
+        hf_head.install(tiny_llama(), block_rows=0)
 
 
 def test_refusals_at_forward():
     model = tiny_llama()
     ids = torch.randint(0, V, (B, S))
-    fused_head.install(model)
+    hf_head.install(model)
     with pytest.raises(ValueError, match="logits_to_keep=1 with labels"):
         model(ids, labels=ids, logits_to_keep=1)
     model.loss_function = lambda **kw: None
@@ -582,7 +582,7 @@ LOSS_REFUSALS = {
     "weight_shape": (ValueError, r"weight is \[300, 63\] but hidden's last dimension is 64",
                      dict(weight=torch.randn(V, D - 1))),
     "weight_1d": (ValueError, "weight must be the head's weight", dict(weight=torch.randn(V))),
-    "sink": (TypeError, "sink must be a forge_dsl.row_updates.RowSink", dict(sink=object())),
+    "sink": (TypeError, "sink must be a forge_dsl.training.row_updates.RowSink", dict(sink=object())),
     "ignore_index": (TypeError, "ignore_index must be an int", dict(ignore_index=-100.0)),
     "num_items_bool": (TypeError, "num_items_in_batch must be a number or a one-element tensor",
                        dict(num_items_in_batch=True)),

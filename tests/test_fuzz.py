@@ -36,12 +36,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from forge_dsl import codegen
-from forge_dsl.checker import check_spec
-from forge_dsl.codegen import render_module
-from forge_dsl.errors import SpecError
-from forge_dsl.kernels import compiled
-from forge_dsl.parser import parse_spec
+from forge_dsl.compiler import codegen
+from forge_dsl.spec.checker import check_spec
+from forge_dsl.compiler.codegen import render_module
+from forge_dsl.spec.errors import SpecError
+from forge_dsl.compiler import loader as compiled
+from forge_dsl.spec.parser import parse_spec
 
 from fuzz_kernels import KernelMismatch, check_kernel, forget_module
 

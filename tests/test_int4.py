@@ -25,13 +25,13 @@ import triton.language as tl  # noqa: E402
 
 import forge_dsl  # noqa: E402
 from forge_dsl import ForgeOptimizer, kernels  # noqa: E402
-from forge_dsl import layouts as L  # noqa: E402
-from forge_dsl.kernels import launches  # noqa: E402
-from forge_dsl.kernels import triton_lib as TL  # noqa: E402
+from forge_dsl.kernels import layouts as L  # noqa: E402
+from forge_dsl.kernels import kernel_calls as launches  # noqa: E402
+from forge_dsl.kernels import state_lib, tile_lib  # noqa: E402
 from forge_dsl.kernels.checks import bind_states  # noqa: E402
-from forge_dsl.kernels.launch import ParamUpdate  # noqa: E402
-from forge_dsl.kernels.launches import nibble_words  # noqa: E402
-from forge_dsl.layouts import StateLayout  # noqa: E402
+from forge_dsl.kernels.steps import ParamUpdate  # noqa: E402
+from forge_dsl.kernels.kernel_calls import nibble_words  # noqa: E402
+from forge_dsl.kernels.layouts import StateLayout  # noqa: E402
 from forge_dsl.testing import as_float64_state, bound, layout_code  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -250,10 +250,10 @@ def _store_kernel(src, q, scale, n_rows, n_cols, n_blocks, LAYOUT: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * BLOCK_K
-    offs, mask = TL.tile_offsets(offs_n, k_start + tl.arange(0, BLOCK_K), n_rows, n_cols)
-    scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
+    offs, mask = tile_lib.tile_offsets(offs_n, k_start + tl.arange(0, BLOCK_K), n_rows, n_cols)
+    scale_offs = state_lib.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
     x = tl.load(src + offs, mask=mask, other=0.0)
-    TL.store_state(q, scale, x, offs, mask, scale_offs, LAYOUT, WORDS, BLOCK_N, BLOCK_K)
+    state_lib.store_state(q, scale, x, offs, mask, scale_offs, LAYOUT, WORDS, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -262,23 +262,23 @@ def _update_kernel(q, scale, out, n_rows, n_cols, n_blocks, mult, LAYOUT: tl.con
     """out = the decoded tile; then the state becomes decoded * mult (in place: an optimizer step's shape)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * BLOCK_K
-    offs, mask = TL.tile_offsets(offs_n, k_start + tl.arange(0, BLOCK_K), n_rows, n_cols)
-    scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
-    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, WORDS, BLOCK_N, BLOCK_K)
+    offs, mask = tile_lib.tile_offsets(offs_n, k_start + tl.arange(0, BLOCK_K), n_rows, n_cols)
+    scale_offs = state_lib.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
+    x = state_lib.load_state(q, scale, offs, mask, scale_offs, LAYOUT, WORDS, BLOCK_N, BLOCK_K)
     tl.store(out + offs, x, mask=mask)
-    TL.store_state(q, scale, x * mult, offs, mask, scale_offs, LAYOUT, WORDS, BLOCK_N, BLOCK_K)
+    state_lib.store_state(q, scale, x * mult, offs, mask, scale_offs, LAYOUT, WORDS, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def _code_kernel(y, q, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(q + offs, TL._int4_code(tl.load(y + offs)))
+    tl.store(q + offs, state_lib._int4_code(tl.load(y + offs)))
 
 
 @triton.jit
 def _value_kernel(q, v, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    tl.store(v + offs, TL._int4_value(tl.load(q + offs)))
+    tl.store(v + offs, state_lib._int4_value(tl.load(q + offs)))
 
 
 PAD = 64  # sentinel bytes / scales past the real tensors: catch out-of-bounds stores

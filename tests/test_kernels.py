@@ -26,10 +26,10 @@ import torch
 import forge_dsl
 from references import ADAMAX
 from forge_dsl import kernels
-from forge_dsl.kernels import checks, launch, policy
-from forge_dsl.variants import combinations, describe_combo
-from forge_dsl.config import resolve_hypers
-from forge_dsl.layouts import StateLayout
+from forge_dsl.kernels import checks, steps as launch, policy
+from forge_dsl.spec.variants import combinations, describe_combo
+from forge_dsl.spec.keywords import resolve_hypers
+from forge_dsl.kernels.layouts import StateLayout
 from forge_dsl.testing import (FP32_REL_TOL, HALVES_CONFIG, K, N, SPLIT_CONFIGS, T, WS_CONFIG, WS_EPILOGUES,
                                as_float64_state, bf16_ulp, bound, default_device, layout_code, layout_for,
                                make_problem, rel_err, sign_tie_allowance, weight_bound)
@@ -148,9 +148,9 @@ def test_layouts_warp_specialized(name, layout, epilogue, w_dtype):
 @pytest.mark.parametrize("name", SPECS)
 def test_reused_launch_writes_the_checked_bits(name, layout, monkeypatch):
     """Eight steps through `linear_step` (fresh activations each step, so RAdam's rectification and
-    SGD-momentum's first step switch kernels), reused launches (forge_dsl/kernels/prepared.py) against the
+    SGD-momentum's first step switch kernels), reused launches (forge_dsl/kernels/reuse.py) against the
     checked path on a copy: the same bits in the weight and every state tensor after each step."""
-    from forge_dsl.kernels import prepared
+    from forge_dsl.kernels import reuse as prepared
 
     if not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU (Gluon has no interpreter)")
@@ -518,7 +518,7 @@ def test_launcher_errors_are_clear():
 def test_user_spec_compiles_on_first_use(tmp_path, monkeypatch):
     """A new optimizer needs no compiler change: Adamax, checked against torch.optim.Adamax."""
     monkeypatch.setenv("FORGE_DSL_CACHE", str(tmp_path / "cache"))
-    from forge_dsl.kernels import compiled
+    from forge_dsl.compiler import loader as compiled
 
     compiled._compiled.cache_clear()  # another test may have compiled the same spec into its own cache
     path = tmp_path / "adamax.fopt"

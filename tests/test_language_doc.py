@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import forge_dsl
-from forge_dsl.checker import check_spec
-from forge_dsl.errors import SpecError
-from forge_dsl.parser import parse_spec
+from forge_dsl.spec.checker import check_spec
+from forge_dsl.spec.errors import SpecError
+from forge_dsl.spec.parser import parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "LANGUAGE.md"

@@ -14,7 +14,7 @@ from torch import nn
 
 import forge_dsl
 from forge_dsl import ForgeOptimizer
-from forge_dsl.consumed_grad import ConsumedGrad
+from forge_dsl.training.consumed_grad import ConsumedGrad
 from test_optim import (assert_params_close, fused_names, llama_batches, llama_loss, make_llama, snapshot, train,
                         twin)
 
@@ -109,7 +109,7 @@ def test_head_loss_refusals_come_before_anything_changes():
     mlp = nn.Sequential(nn.Linear(8, 8))
     for make in (lambda: forge_dsl.fuse(mlp, lm_head_loss=True),
                  lambda: ForgeOptimizer(mlp, "adamw", lm_head_loss=True)):
-        with pytest.raises(ValueError, match="forge_dsl.fused_head.install"):
+        with pytest.raises(ValueError, match="forge_dsl.training.hf_head.install"):
             make()
         assert "forward" not in mlp[0].__dict__
     assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
@@ -118,7 +118,7 @@ def test_head_loss_refusals_come_before_anything_changes():
 def test_a_backward_interrupted_between_vocabulary_blocks_is_closed_by_step(monkeypatch):
     """An exception after the head's first vocabulary block: a retry is refused with the interrupted-step message
     (no block is updated twice), step() closes the step (the head's counter moves once) and training goes on."""
-    from forge_dsl.fused_linear import _FusedHandle
+    from forge_dsl.training.linear import FusedWeight as _FusedHandle
 
     model = make_llama()
     opt = ForgeOptimizer(model, "adamw", lm_head_loss=True, **HYPERS)

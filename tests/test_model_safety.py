@@ -241,7 +241,7 @@ def test_copies_of_a_fused_model_are_plain_models():
 
 
 def _is_dormant(module) -> bool:
-    from forge_dsl.fused_linear import _is_dormant_forward
+    from forge_dsl.training.weight import is_dormant_forward as _is_dormant_forward
 
     return _is_dormant_forward(module, module.__dict__.get("forward"))
 

@@ -537,7 +537,7 @@ def _same_float(a: float, b: float) -> bool:
 def test_host_operations_match_torch_float64(op):
     """`scalar_ops` (what the host program and constant folding compute) is torch's float64 arithmetic,
     never an exception: `(-10.0) ** 401` is -inf and `(-0.0) ** -1` is -inf (Python raises on both)."""
-    from forge_dsl.scalar_ops import apply_scalar_op
+    from forge_dsl.spec.scalar_ops import apply_scalar_op
 
     t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
     if op in HOST_BINARY:

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import forge_dsl
-from forge_dsl.offload import OffloadActivations, _Saved
+from forge_dsl.training.offload import OffloadActivations, _Saved
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

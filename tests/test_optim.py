@@ -472,16 +472,16 @@ class SometimesMLP(MLP):
 
 
 def test_step_counter_seen_in_backward_is_torchs(monkeypatch):
-    import forge_dsl.optim as optim_module
+    import forge_dsl.training.stepper as stepper_module
 
     seen = []
-    original = optim_module.linear_step
+    original = stepper_module.linear_step
 
     def spy(spec, x, dy, weight, state, *, step, **kw):
         seen.append((weight.shape, step))
         return original(spec, x, dy, weight, state, step=step, **kw)
 
-    monkeypatch.setattr(optim_module, "linear_step", spy)
+    monkeypatch.setattr(stepper_module, "linear_step", spy)
     make = lambda seed=0: make_mlp(seed, cls=SometimesMLP)  # noqa: E731
     ours = make()
     theirs = twin(ours, make)
@@ -629,7 +629,7 @@ def test_clipping_is_refused_however_it_is_reached():
     import subprocess
     import sys
 
-    from forge_dsl.consumed_grad import ConsumedGrad
+    from forge_dsl.training.consumed_grad import ConsumedGrad
 
     script = (
         "import torch\n"

@@ -40,12 +40,12 @@ def test_wheel_ships_grammar_specs_templates_and_generated(tmp_path):
     (wheel,) = tmp_path.glob("forge_dsl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "forge_dsl/grammars/fopt.lark" in names
-    assert "forge_dsl/templates/module.py.j2" in names
+    assert "forge_dsl/compiler/templates/module.py.j2" in names
     for spec in (ROOT / "optimizers").glob("*.fopt"):
         assert f"forge_dsl/optimizers/{spec.name}" in names
         assert f"forge_dsl/generated/{spec.stem}.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "forge-gen = forge_dsl.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "forge-gen = forge_dsl.compiler.forge_gen:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: MIT" in metadata and "Classifier: Programming Language :: Python :: 3" in metadata
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)

@@ -1,4 +1,4 @@
-"""Reused warp-specialized launches (forge_dsl/kernels/prepared.py) on the CPU.
+"""Reused warp-specialized launches (forge_dsl/kernels/reuse.py) on the CPU.
 
 Gluon has no interpreter, so here Triton's `JITFunction.run` and the compiled kernel's launcher are
 replaced by recorders: every test compares the arguments a reused launch hands the launcher with the
@@ -17,7 +17,7 @@ import torch
 
 import forge_dsl
 from forge_dsl import kernels
-from forge_dsl.kernels import gluon_lib, launch, policy, prepared
+from forge_dsl.kernels import gluon_lib, steps as launch, policy, reuse as prepared
 
 # The recorders stand in for Triton on CPU tensors, so these tests run where the interpreter does (CI);
 # on a GPU machine test_kernels.py's warp-specialized and reused-launch tests run the same path for real.

@@ -24,7 +24,7 @@ def test_your_own_optimizer_commands_work_as_written(tmp_path):
     assert re.search(r"\d+ cases, (\d+) passed, 0 failed", run.stdout)
     assert (tmp_path / "adabelief.py").is_file()
     check = subprocess.run(
-        [sys.executable, "-c", "from forge_dsl.kernels.compiled import module_path; "
+        [sys.executable, "-c", "from forge_dsl.compiler.loader import module_path; "
                                "print(module_path('adabelief.fopt'))"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stderr

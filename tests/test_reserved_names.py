@@ -13,11 +13,12 @@ import inspect
 import pytest
 
 import forge_dsl
-from forge_dsl import checker, kernels
-from forge_dsl.checker import check_spec
-from forge_dsl.errors import SpecError
+from forge_dsl.spec import checker
+from forge_dsl import kernels
+from forge_dsl.spec.checker import check_spec
+from forge_dsl.spec.errors import SpecError
 from forge_dsl.kernels import foreach
-from forge_dsl.parser import parse_spec
+from forge_dsl.spec.parser import parse_spec
 
 
 def _entry_points():

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from forge_dsl import ir
-from forge_dsl.checker import BUILTIN_FUNCTIONS, check_spec
-from forge_dsl.parser import parse_spec
-from forge_dsl.printer import print_expr, print_spec
+from forge_dsl.spec import ir
+from forge_dsl.spec.checker import BUILTIN_FUNCTIONS, check_spec
+from forge_dsl.spec.parser import parse_spec
+from forge_dsl.spec.printer import print_expr, print_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTINS = sorted((ROOT / "optimizers").glob("*.fopt"))

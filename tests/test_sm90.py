@@ -19,7 +19,7 @@ import triton
 
 import forge_dsl
 from forge_dsl.kernels.policy import TileConfig
-from forge_dsl.layouts import QUANTIZED_NAMES
+from forge_dsl.kernels.layouts import QUANTIZED_NAMES
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")),

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from forge_dsl import ForgeOptimizer, checkpoint
+from forge_dsl import ForgeOptimizer
+from forge_dsl.training import checkpoint
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KEY = checkpoint.META_KEY
@@ -155,7 +156,7 @@ def test_a_checkpoint_with_fp32_scales_loads_and_continues_bit_identically():
     re-storing trained int8 state with float32 scales) loads bit for bit, keeps its float32 scales as it steps, and
     the loaded optimizer writes what the one that saved it writes; describe() names the scales' dtype. A
     parameter that gets its first state after loading gets new (bf16) scales."""
-    from forge_dsl import layouts as L
+    from forge_dsl.kernels import layouts as L
 
     model, opt = trained(state_dtype="int8", rounding="nearest", seed=5)
     for state in opt.state.values():

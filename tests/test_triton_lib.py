@@ -1,4 +1,4 @@
-"""forge_dsl.kernels.triton_lib (Triton load/store helpers) against forge_dsl.layouts (torch).
+"""forge_dsl.kernels.triton_lib (Triton load/store helpers) against forge_dsl.kernels.layouts (torch).
 
 Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1,
 set below before triton is imported); with one they are compiled and run on
@@ -27,10 +27,10 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from forge_dsl import layouts as L  # noqa: E402
-from forge_dsl.kernels.launches import rounding_code  # noqa: E402
-from forge_dsl.kernels import triton_lib as TL  # noqa: E402
-from forge_dsl.layouts import StateLayout  # noqa: E402
+from forge_dsl.kernels import layouts as L  # noqa: E402
+from forge_dsl.kernels.kernel_calls import rounding_code  # noqa: E402
+from forge_dsl.kernels import state_lib, tile_lib  # noqa: E402
+from forge_dsl.kernels.layouts import StateLayout  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -46,11 +46,11 @@ def _weight_kernel(src, dst, n_rows, n_cols, seed, delta,
                    ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
-    w = TL.load_weight(src, offs, mask, SRC_BF16)
+    offs, mask = tile_lib.tile_offsets(offs_n, offs_k, n_rows, n_cols)
+    w = tile_lib.load_weight(src, offs, mask, SRC_BF16)
     if ADD:
         w = w + delta
-    TL.store_weight(dst, w, offs, mask, seed, W_BF16, STOCHASTIC)
+    tile_lib.store_weight(dst, w, offs, mask, seed, W_BF16, STOCHASTIC)
 
 
 @triton.jit
@@ -59,11 +59,11 @@ def _state_store_kernel(src, q, scale, n_rows, n_cols, n_blocks,
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * BLOCK_K
     offs_k = k_start + tl.arange(0, BLOCK_K)
-    offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
-    scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
+    offs, mask = tile_lib.tile_offsets(offs_n, offs_k, n_rows, n_cols)
+    scale_offs = state_lib.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
     x = tl.load(src + offs, mask=mask, other=0.0)
     # NIBBLE_WORDS False: read only by the 4-bit layouts (tests/test_int4.py)
-    TL.store_state(q, scale, x, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
+    state_lib.store_state(q, scale, x, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -72,9 +72,9 @@ def _state_load_kernel(q, scale, out, n_rows, n_cols, n_blocks,
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * BLOCK_K
     offs_k = k_start + tl.arange(0, BLOCK_K)
-    offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
-    scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
-    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
+    offs, mask = tile_lib.tile_offsets(offs_n, offs_k, n_rows, n_cols)
+    scale_offs = state_lib.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
+    x = state_lib.load_state(q, scale, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
     tl.store(out + offs, x, mask=mask)
 
 
@@ -85,10 +85,10 @@ def _state_update_kernel(q, scale, n_rows, n_cols, n_blocks, mult,
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * BLOCK_K
     offs_k = k_start + tl.arange(0, BLOCK_K)
-    offs, mask = TL.tile_offsets(offs_n, offs_k, n_rows, n_cols)
-    scale_offs = TL.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
-    x = TL.load_state(q, scale, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
-    TL.store_state(q, scale, x * mult, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
+    offs, mask = tile_lib.tile_offsets(offs_n, offs_k, n_rows, n_cols)
+    scale_offs = state_lib.block_scale_offsets(offs_n, k_start, n_blocks, BLOCK_K)
+    x = state_lib.load_state(q, scale, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
+    state_lib.store_state(q, scale, x * mult, offs, mask, scale_offs, LAYOUT, False, BLOCK_N, BLOCK_K)
 
 
 # ---------------------------------------------------------------------------
@@ -653,10 +653,10 @@ def test_storage_dtypes_rows_blocks():
     assert [L.storage_dtype(l) for l in StateLayout] == [torch.float32, torch.bfloat16, torch.int8, torch.uint8,
                                                          torch.int8, torch.uint8]
     assert [int(l) for l in StateLayout] == [0, 1, 2, 3, 4, 5]
-    assert tuple(c.value for c in (TL.LAYOUT_FP32, TL.LAYOUT_BF16, TL.LAYOUT_INT8, TL.LAYOUT_UINT8_SQRT,
-                                   TL.LAYOUT_INT4, TL.LAYOUT_UINT4)) == (0, 1, 2, 3, 4, 5)
-    assert TL.R255.value == L.R255 and TL.QBLOCK.value == L.BLOCK == 64
-    assert TL.FLT_MAX.value == torch.finfo(torch.float32).max
+    assert tuple(c.value for c in (state_lib.LAYOUT_FP32, state_lib.LAYOUT_BF16, state_lib.LAYOUT_INT8, state_lib.LAYOUT_UINT8_SQRT,
+                                   state_lib.LAYOUT_INT4, state_lib.LAYOUT_UINT4)) == (0, 1, 2, 3, 4, 5)
+    assert state_lib.R255.value == L.R255 and state_lib.QBLOCK.value == L.BLOCK == 64
+    assert state_lib.FLT_MAX.value == torch.finfo(torch.float32).max
     assert L.as_rows(torch.zeros(2, 3, 5)).shape == (6, 5)
     assert L.as_rows(torch.zeros(7)).shape == (1, 7)
     assert L.as_rows(torch.tensor(3.0)).shape == (1, 1)
@@ -737,13 +737,13 @@ def _lowbias32(x: np.ndarray) -> np.ndarray:
 
 
 def _random_bits_numpy(offs: np.ndarray, seed: int) -> np.ndarray:
-    """`triton_lib.random_bits` in numpy: lowbias32 of a Weyl step of the index, keyed by the seed."""
+    """`tile_lib.random_bits` in numpy: lowbias32 of a Weyl step of the index, keyed by the seed."""
     key = _lowbias32((_lowbias32(np.array([seed & 0xFFFFFFFF])) + 0x9E3779B9) & 0xFFFFFFFF)[0]
     return _lowbias32((offs.astype(np.uint64) * 0x9E3779B9 + key) & 0xFFFFFFFF)
 
 
 def _random16_numpy(idx: np.ndarray, seed: int) -> np.ndarray:
-    """`triton_lib.random16`: element e takes the low (e even) or high (e odd) half of the hash of e >> 1."""
+    """`tile_lib.random16`: element e takes the low (e even) or high (e odd) half of the hash of e >> 1."""
     idx = idx.astype(np.uint64)
     return (_random_bits_numpy(idx >> np.uint64(1), seed) >> (np.uint64(16) * (idx & np.uint64(1)))) & 0xFFFF
 
@@ -781,7 +781,7 @@ def test_stochastic_rounding_draws_random16(cols, pairs):
 @triton.jit
 def _random_bits_kernel(out, seed, first, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK).to(tl.int64) + first
-    tl.store(out + tl.arange(0, BLOCK), TL.random_bits(offs, seed).to(tl.int64))
+    tl.store(out + tl.arange(0, BLOCK), tile_lib.random_bits(offs, seed).to(tl.int64))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7, 2**31 - 1, 2**31 + 3, 2**32 + 5, 2**40 + 12345])

@@ -13,8 +13,8 @@ import torch
 
 import forge_dsl
 from forge_dsl import kernels
-from forge_dsl.variants import combinations, runtime_flags, variant_of, variants
-from forge_dsl.kernels.compiled import compiled_module
+from forge_dsl.spec.variants import combinations, runtime_flags, variant_of, variants
+from forge_dsl.compiler.loader import compiled_module
 from forge_dsl.testing import rel_err
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -126,7 +126,7 @@ def test_step_config_host_inputs_follow_its_hypers_and_flags():
     never carries a stale copy."""
     import dataclasses
 
-    from forge_dsl.config import resolve_hypers
+    from forge_dsl.spec.keywords import resolve_hypers
 
     cfg = resolve_hypers(forge_dsl.load_spec("adamw"), {"lr": 0.5, "maximize": True})
     assert cfg.host_inputs["lr"] == 0.5 and cfg.host_inputs["maximize"] is True

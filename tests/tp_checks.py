@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 import forge_dsl
 from forge_dsl import ForgeOptimizer
-from forge_dsl.layouts import dequantize, layout_of
+from forge_dsl.kernels.layouts import dequantize, layout_of
 
 SPECS = ("adamw", "nadam", "radam", "rmsprop", "adagrad", "sgd", "sgd_momentum", "lion")
 LAYOUTS = ("fp32", "bf16", "int8", "int4")

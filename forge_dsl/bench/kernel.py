@@ -38,7 +38,7 @@ import forge_dsl
 from forge_dsl import kernels
 from forge_dsl.kernels import TileConfig
 from forge_dsl.kernels.policy import default_slab_bytes, fused_config, slab_rows
-from forge_dsl.layouts import QUANTIZED_NAMES
+from forge_dsl.kernels.layouts import QUANTIZED_NAMES
 
 from .common import Progress, Results, UsageError, format_table, free_memory, graph_ms, median_ms
 

@@ -22,9 +22,9 @@ cell says "on + offload".
 
 The loss is transformers' causal-LM cross-entropy (labels = the ids shifted by
 one).  For the FORGE methods with `--forge-head on` (the default) it is
-`forge_dsl.fused_head`'s loss without logits (`model(input_ids, labels=ids)` of the
+`forge_dsl.training.hf_head`'s loss without logits (`model(input_ids, labels=ids)` of the
 model ForgeOptimizer(..., lm_head_loss=True) installed it on; loss column
-"fused-head"), where fused_head.install accepts the model and the run is not
+"fused-head"), where hf_head.install accepts the model and the run is not
 compiled (under torch.compile the fused head takes its plain path).  Every other
 row computes it by `--loss`:
 
@@ -79,9 +79,9 @@ import torch
 
 import forge_dsl
 
-from .. import tensor_parallel
-from ..consumed_grad import ConsumedGrad
-from ..offload import Kept, OffloadActivations
+from ..training import tensor_parallel
+from ..training.consumed_grad import ConsumedGrad
+from ..training.offload import Kept, OffloadActivations
 from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
                      synchronize)
 from .lean_loss import causal_lm_loss_inplace
@@ -207,9 +207,9 @@ def _forge(state_dtype: str, linear_path: str = "auto"):
 
 
 def _forge_checked(state_dtype: str):
-    """FORGE with every launch checked (`forge_dsl.kernels.prepared` off): the host path before v14."""
+    """FORGE with every launch checked (`forge_dsl.kernels.reuse` off): the host path before v14."""
     def attach(model, head: bool = False):
-        from forge_dsl.kernels import prepared
+        from forge_dsl.kernels import reuse as prepared
 
         prepared.set_enabled(False)
         finish = _forge(state_dtype)(model, head)
@@ -279,7 +279,7 @@ def add_arguments(ap) -> None:
                          "written into the bf16 logits (default: transformers)")
     ap.add_argument("--forge-head", choices=("on", "off"), default="on",
                     help="on: the FORGE methods compute the loss without logits (ForgeOptimizer(..., "
-                         "lm_head_loss=True), loss column 'fused-head') where forge_dsl.fused_head accepts the "
+                         "lm_head_loss=True), loss column 'fused-head') where forge_dsl.training.hf_head accepts the "
                          "model and the run is not compiled; off: they use --loss. Their nn.Embedding weights "
                          "are fused either way (default: on)")
     ap.add_argument("--compile", choices=("off", "on", "both"), default="off",
@@ -369,7 +369,7 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-# the loss of a row: --loss's, or "fused-head": the forward fused_head.install gave the model (labels → loss)
+# the loss of a row: --loss's, or "fused-head": the forward hf_head.install gave the model (labels → loss)
 FUSED_HEAD = "fused-head"
 LOSS_FUNCTIONS = {**LOSSES, FUSED_HEAD: LOSSES["transformers"]}
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -614,13 +614,13 @@ def measure(name: str, method: Method, seq: int, checkpointing: bool, device: to
 
 def fused_head_applies(model: torch.nn.Module, method: Method, settings: dict, compiled: bool) -> bool:
     """Whether this run's method computes the loss without logits: a FORGE method, --forge-head on, not compiled
-    (under torch.compile the fused head takes its plain path), and a model fused_head.install accepts."""
+    (under torch.compile the fused head takes its plain path), and a model hf_head.install accepts."""
     if not (method.fused_head and settings.get("forge_head", False)) or compiled:
         return False
-    from .. import fused_head
+    from ..training import hf_head
 
     try:
-        fused_head.check_installable(model)
+        hf_head.check_installable(model)
     except ValueError:
         return False
     return True

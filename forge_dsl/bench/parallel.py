@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import tensor_parallel
+from ..training import tensor_parallel
 from .common import UsageError
 
 __all__ = ["FSDP_METHODS", "Parallel", "gather_row", "init", "llama_tp_plan", "shard"]

@@ -12,8 +12,15 @@ torch's keyword names (`betas=(0.9, 0.999)` included); `state` is what
 """
 
 from .foreach import foreach_step
-from .launch import ParamUpdate, fused_linear_step, linear_step, slab_linear_step, step
-from .launches import mix_seed
+from .steps import ParamUpdate, fused_linear_step, linear_step, slab_linear_step, step
+from .kernel_calls import mix_seed
 from .policy import TileConfig
 
 __all__ = ["ParamUpdate", "TileConfig", "foreach_step", "fused_linear_step", "linear_step", "mix_seed", "slab_linear_step", "step"]
+
+
+def __getattr__(name: str):
+    """`forge_dsl.kernels.launch` and the other 0.1 module paths, as attributes (`forge_dsl.aliases`)."""
+    from .. import aliases
+
+    return aliases.attribute(__name__, name)

@@ -12,7 +12,7 @@ from typing import Any, MutableMapping
 
 import torch
 
-from ..layouts import BLOCK, SCALE_DTYPES, StateLayout, as_rows, is_quantized, layout_of, n_blocks, storage_shape
+from .layouts import BLOCK, SCALE_DTYPES, StateLayout, as_rows, is_quantized, layout_of, n_blocks, storage_shape
 from .policy import TileConfig, hopper_with_gluon, interpreting
 
 ROUNDINGS = ("stochastic", "nearest")
@@ -119,7 +119,7 @@ def bind_states(spec, names: tuple[str, ...], state: MutableMapping[str, torch.T
                 )
             storage = t
             if scale.dtype == torch.bfloat16:
-                scale = scale.view(torch.int16)  # the kernels read bf16 scales as bits (`triton_lib.load_state_raw`)
+                scale = scale.view(torch.int16)  # the kernels read bf16 scales as bits (`state_lib.load_state_raw`)
         else:
             storage = t.view(torch.int16) if layout == StateLayout.BF16 else t
             scale = storage  # never read: the layout is a constexpr

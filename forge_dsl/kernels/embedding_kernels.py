@@ -1,4 +1,4 @@
-"""The Triton kernel of the fused embedding's backward (`forge_dsl.fused_embedding`), imported on first launch.
+"""The Triton kernel of the fused embedding's backward (`forge_dsl.training.embedding`), imported on first launch.
 
     rows_grad[(R, cdiv(D, BLOCK_D))](GRAD, ORDER, OFFSETS, BLOCK, r0, D, stride_grad, stride_block, ...)
         BLOCK [R, D] fp32 = the gradient of embedding rows [r0, r0 + R): row r sums, in fp32, the rows of

@@ -17,7 +17,7 @@ interpreter; on the GPU the flat launch runs another specialization of the compi
 may contract another `a * b + c` into an FMA (a unit in the last place; tests/test_foreach.py).
 Two more things make it hold or bound it:
   * int8 and int4 states are quantized in blocks of 64 consecutive elements of a row
-    (`forge_dsl.layouts`); the flat buffer's blocks (and int4's bytes of two codes) are the
+    (`forge_dsl.kernels.layouts`); the flat buffer's blocks (and int4's bytes of two codes) are the
     parameters' own only when every parameter's last dimension is a multiple of 64, so
     `shared_launch_key` returns None for any other parameter with quantized state;
   * stochastic rounding draws its bits from `seed` and each element's offset in the flat
@@ -30,9 +30,9 @@ from typing import Any, Hashable, MutableMapping, Optional, Sequence
 
 import torch
 
-from ..loading import SpecLike, load_spec
-from ..layouts import BLOCK, as_rows, holds_codes, layout_of, n_blocks, storage_shape
-from .launch import step as elementwise_step
+from ..spec.loading import SpecLike, load_spec
+from .layouts import BLOCK, as_rows, holds_codes, layout_of, n_blocks, storage_shape
+from .steps import step as elementwise_step
 
 __all__ = ["FOREACH_MAX_ELEMENTS", "foreach_step", "shared_launch_key"]
 

@@ -16,7 +16,7 @@ persistent program of three partitions that work on different tiles at once:
                            applies `tile_kernels.load_tile` / `apply_tile` (the Triton kernels' epilogue).
 
 Tiles are 128 × 128 (BN × BK), visited by every partition in the same order: tile `program_id +
-i · NUM_PROGRAMS`, grouped as `triton_lib.grouped_tile` orders them. The dW tile exists only in the
+i · NUM_PROGRAMS`, grouped as `tile_lib.grouped_tile` orders them. The dW tile exists only in the
 mma partition's registers and in `acc_smem`, never in global memory.
 
 Each `mbarrier.arrive` below is made by one thread for its whole partition; the compiler puts a barrier
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .tile_kernels import apply_tile, load_tile
-from .triton_lib import grouped_tile
+from .tile_lib import grouped_tile
 
 try:
     from triton.experimental import gluon
@@ -248,8 +248,8 @@ def ws_read_slice(acc_smem, acc_empty, r: tl.constexpr, LAST: tl.constexpr, SLIC
 def ws_slice_offsets(n_start, k_start, N, K, n_blocks, SLICE_N: tl.constexpr, BK: tl.constexpr,
                      EPILOGUE_WARPS: tl.constexpr):
     """Where the slice rows n_start + [0, SLICE_N), columns k_start + [0, BK) live, in `epilogue_layout`:
-    (offs [SLICE_N, BK] int64 and mask [SLICE_N, BK], as `triton_lib.tile_offsets`; scale_offs
-    [SLICE_N, BK // 64] int64, as `triton_lib.block_scale_offsets`, for int8 state's block scales).
+    (offs [SLICE_N, BK] int64 and mask [SLICE_N, BK], as `tile_lib.tile_offsets`; scale_offs
+    [SLICE_N, BK // 64] int64, as `state_lib.block_scale_offsets`, for int8 state's block scales).
 
     scale_offs is reduced from per-element values over each 64-column block, the same reshape the state
     helpers make of the mask and of each block's maximum, so its layout is theirs (Gluon combines only

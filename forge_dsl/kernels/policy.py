@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..layouts import storage_dtype
+from .layouts import storage_dtype
 
 __all__ = ["TileConfig", "fused_config", "step_config", "auto_linear_path", "LINEAR_PATHS", "slab_rows",
            "default_slab_bytes", "stored_bytes", "hopper_with_gluon", "interpreting"]
@@ -272,7 +272,7 @@ def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: tor
     if quantized:
         if hopper and tma and elements >= WS_MIN_ELEMENTS:
             if reused is None:
-                from . import prepared
+                from . import reuse as prepared
 
                 reused = prepared.supported()
             return "slab" if tokens <= SLAB_MAX_TOKENS_QUANTIZED_WS and not reused else "fused"

@@ -28,11 +28,11 @@ from typing import Optional
 import torch
 
 from ..api import SpecLike, builtin_names, init_state, load_spec
-from ..layouts import StateLayout, is_quantized, n_blocks
+from .layouts import StateLayout, is_quantized, n_blocks
 from . import gluon_lib, tile_kernels
 from .checks import any_quantized
-from .launch import ParamUpdate
-from .launches import fused_constexprs, nibble_words, rounding_code, ws_constexprs
+from .steps import ParamUpdate
+from .kernel_calls import fused_constexprs, nibble_words, rounding_code, ws_constexprs
 from .policy import TileConfig, fused_config, stored_bytes
 
 __all__ = ["Resources", "compile_fused", "main"]

@@ -9,7 +9,7 @@
 The warp-specialized fused kernel for Hopper (`gluon_lib.fused_ws`) runs the same `load_tile` /
 `apply_tile` epilogue.
 
-What a generated module (forge_dsl/templates/module.py.j2) contributes is the per-element program:
+What a generated module (forge_dsl/compiler/templates/module.py.j2) contributes is the per-element program:
 
     update(b_param, b_grad, b_states, h) -> (b_param, b_states)
 
@@ -20,7 +20,7 @@ of its `STATES` tuple), `h` the variant's host scalars (what its `host_v<i>` ret
     SCALES  a tuple of each state's block scales [N, K / 64] fp32 (int8 / uint8; the storage itself,
             never read, otherwise),
     HOST    the tuple of host scalars, handed to `UPDATE` as `h`,
-    LAYOUTS a constexpr tuple of each state's layout code (`forge_dsl.layouts.StateLayout`), beside
+    LAYOUTS a constexpr tuple of each state's layout code (`forge_dsl.kernels.layouts.StateLayout`), beside
             NIBBLE_WORDS, a constexpr: whether 4-bit states are read and written a 32-bit word (8 codes)
             at a time (`launches.nibble_words`),
 
@@ -30,10 +30,9 @@ and the weight as fp32, or bf16 as its int16 view (`W_BF16`). Every tuple may be
 import triton
 import triton.language as tl
 
-from .triton_lib import (
-    accumulate_dw, accumulate_dw_halves, block_scale_offsets, decode_state, decode_weight, load_state_raw, load_weight,
-    load_weight_raw, split_columns, store_state, store_weight, tile_at, tile_offsets,
-)
+from .state_lib import block_scale_offsets, decode_state, load_state_raw, store_state
+from .tile_lib import (accumulate_dw, accumulate_dw_halves, decode_weight, load_weight, load_weight_raw, split_columns,
+                       store_weight, tile_at, tile_offsets)
 
 __all__ = ["apply_tile", "fused", "load_tile", "step", "update_slice"]
 
@@ -42,7 +41,7 @@ __all__ = ["apply_tile", "fused", "load_tile", "step", "update_slice"]
 def load_tile(W, STATES, SCALES, offs, mask, scale_offs, W_BF16: tl.constexpr, LAYOUTS: tl.constexpr,
               NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Issue the loads of one [BLOCK_N, BLOCK_K] tile's weights and states, in storage types:
-    (weight tile, tuple of state tiles, tuple of their scales; `triton_lib.load_state_raw`)."""
+    (weight tile, tuple of state tiles, tuple of their scales; `state_lib.load_state_raw`)."""
     r_param = load_weight_raw(W, offs, mask, W_BF16)  # [BN, BK]
     raws = ()
     scales = ()

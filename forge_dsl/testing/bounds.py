@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..layouts import FOUR_BIT_LAYOUTS, INT4_MAP, StateLayout, as_rows, dequantize, layout_of, n_blocks
+from ..kernels.layouts import FOUR_BIT_LAYOUTS, INT4_MAP, StateLayout, as_rows, dequantize, layout_of, n_blocks
 
 __all__ = ["FP32_REL_TOL", "FP32_SLACK", "UPDATE_ULPS", "UPDATE_REL", "UPDATE_FLOOR", "SR_SIGMAS", "rel_err",
            "layout_code", "as_float64_state", "bf16_ulp", "fp32_ulp", "block_scale", "bound", "weight_bound",
@@ -44,7 +44,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def layout_code(t: torch.Tensor, scale: Optional[torch.Tensor] = None) -> StateLayout:
-    """The layout a state tensor is stored in (`forge_dsl.layouts.layout_of`; pass its block `scale` to tell
+    """The layout a state tensor is stored in (`forge_dsl.kernels.layouts.layout_of`; pass its block `scale` to tell
     4-bit codes from 8-bit ones)."""
     layout = layout_of(t, scale=scale)
     if layout is None:
@@ -288,7 +288,7 @@ def sign_tie_allowance(spec, hypers: dict, x_dtype: torch.dtype, path: str) -> O
 
 
 def _uses_sign(spec) -> bool:
-    from ..variants import combinations
-    from ..lowering import lower
+    from ..spec.variants import combinations
+    from ..compiler.lowering import lower
 
     return any(i.op == "sign" for combo in combinations(spec) for i in lower(spec, combo).elem)

@@ -28,9 +28,9 @@ from typing import Any, Optional
 
 import torch
 
-from .. import ir
+from ..spec import ir
 from ..api import init_state, load_spec
-from ..layouts import is_quantized
+from ..kernels.layouts import is_quantized
 from ..reference import reference_step
 from .bounds import (FP32_REL_TOL, RoundingMean, as_float64_state, bound, dw_error_bound, layout_code, rel_err,
                      sign_tie_allowance, update_bound, update_slack, weight_bound)

@@ -69,7 +69,7 @@ def _main(args) -> int:
         raise UsageError("--reference-only checks the reference against a class: give --against MODULE:CLASS")
 
     from ..api import load_spec
-    from ..errors import SpecError
+    from ..spec.errors import SpecError
     from .cases import load_against
     from .sweep import Report, check_reference, plan_kernel_cases, _run
 

@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import ir
-from ..variants import Combo, combinations
-from ..config import resolve_hypers
+from ..spec import ir
+from ..spec.variants import Combo, combinations
+from ..spec.keywords import resolve_hypers
 
 __all__ = ["default_device", "make_problem", "layout_for", "draw_keywords", "default_combo", "covering_combos",
            "N", "K", "T"]

@@ -23,9 +23,9 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from .. import ir
+from ..spec import ir
 from ..api import SpecLike, builtin_names, init_state, load_spec
-from ..variants import Combo, describe_combo
+from ..spec.variants import Combo, describe_combo
 from ..reference import reference_step
 from .cases import WS_EPILOGUES, Case, CaseResult, run_case
 from .problems import combos_for, draw_keywords, make_problem, problem_seeds

@@ -16,16 +16,16 @@ from typing import Optional
 
 import torch
 
-from ..config import check_seed
-from ..layouts import FOUR_BIT_LAYOUTS, as_rows, n_blocks
+from ..spec.keywords import check_seed
+from .layouts import FOUR_BIT_LAYOUTS, as_rows, n_blocks
 from .checks import StateArgs, tma_compatible, weight_view
 from .policy import TileConfig, interpreting, step_config
 
 
 def mix_seed(seed: int, step: int) -> int:
-    """The key of `triton_lib.random_bits`, in [0, 2**31), from (seed, step): splitmix64 of both,
+    """The key of `tile_lib.random_bits`, in [0, 2**31), from (seed, step): splitmix64 of both,
     so every step draws new bits. `seed` is any integer (its low 32 bits count; TypeError / ValueError
-    naming it otherwise, `forge_dsl.config.check_seed`); `step` a checked step number."""
+    naming it otherwise, `forge_dsl.spec.keywords.check_seed`); `step` a checked step number."""
     z = ((check_seed(seed) & 0xFFFFFFFF) << 32 | (int(step) & 0xFFFFFFFF)) + 0x9E3779B97F4A7C15
     z &= 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
@@ -135,10 +135,10 @@ def launch_elementwise(update, param: torch.Tensor, grad: torch.Tensor, states: 
 
 
 def rounding_code(rounding: str, n_cols: int) -> int:
-    """`triton_lib.store_weight`'s STOCHASTIC for a weight of `n_cols` columns: "nearest" → 0
+    """`tile_lib.store_weight`'s STOCHASTIC for a weight of `n_cols` columns: "nearest" → 0
     (ROUND_NEAREST); "stochastic" → 2 (ROUND_STOCHASTIC_PAIRS, one hash per two neighbours) where every
     tile row starts at an even element index, i.e. `n_cols` is even (tiles start at even columns),
-    else 1 (ROUND_STOCHASTIC). Both stochastic codes draw the same bits (`triton_lib.random16`)."""
+    else 1 (ROUND_STOCHASTIC). Both stochastic codes draw the same bits (`tile_lib.random16`)."""
     if rounding == "nearest":
         return 0
     return 2 if n_cols % 2 == 0 else 1
@@ -148,7 +148,7 @@ NIBBLE_WORDS_MAX_BYTES = 2**33  # 4-bit storage this large or larger is accessed
 
 
 def nibble_words(n_cols: int, states: StateArgs) -> bool:
-    """`triton_lib`'s NIBBLE_WORDS for a launch on rows of `n_cols` columns: whether its 4-bit states are read and
+    """`state_lib`'s NIBBLE_WORDS for a launch on rows of `n_cols` columns: whether its 4-bit states are read and
     written a 32-bit word (8 codes) at a time. That needs every row of their packed storage to start on a word:
     `n_cols` a multiple of 8 (a row is n_cols / 2 bytes) and each 4-bit storage tensor starting on a 4-byte
     boundary (torch's allocations do; a view, e.g. `StateArgs.rows`' blocks, starts n_cols / 2 bytes times its

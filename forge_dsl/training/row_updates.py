@@ -1,7 +1,7 @@
 """Where a backward that produces a weight's gradient in blocks of rows hands those blocks.
 
-The fused LM head (`forge_dsl.fused_head`) forms the gradient of its logits one vocabulary block at a time,
-the fused embedding (`forge_dsl.fused_embedding`) the gradient of a tile of embedding rows at a time; neither
+The fused LM head (`forge_dsl.training.hf_head`) forms the gradient of its logits one vocabulary block at a time,
+the fused embedding (`forge_dsl.training.embedding`) the gradient of a tile of embedding rows at a time; neither
 ever holds the whole dW [V, D]. Each hands its blocks to a `RowSink`:
 
     sink = ...                                  # one per weight and backward
@@ -22,7 +22,7 @@ from typing import Any, MutableMapping, Optional, Protocol
 
 import torch
 
-from .loading import SpecLike
+from ..spec.loading import SpecLike
 
 __all__ = ["RowSink", "AutogradRows", "ParamUpdateRows"]
 
@@ -65,7 +65,7 @@ class ParamUpdateRows:
         self._update: Optional[Any] = None
 
     def begin(self) -> bool:
-        from .kernels.launch import ParamUpdate
+        from ..kernels.steps import ParamUpdate
 
         if self._update is not None:
             raise RuntimeError("begin() again before finish(): the previous step's blocks are not complete")

@@ -1,7 +1,7 @@
 """Storage layouts of weights and optimizer state (torch side; the reference for the kernels).
 
 A state tensor is stored in one of six layouts (`StateLayout`). The Triton
-helpers in `forge_dsl.kernels.triton_lib` read and write exactly these layouts,
+helpers in `forge_dsl.kernels.state_lib` read and write exactly these layouts,
 with exactly the same fp32 formulas in the same order, so a kernel run in the
 Triton interpreter, a kernel run on the GPU and the functions here agree bit
 for bit.
@@ -178,7 +178,7 @@ _SQRT_THRESHOLDS = _sqrt_thresholds()
 INT4_MAP = torch.tensor([-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
                          0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0], dtype=torch.float32)
 # mu_1..mu_15 of the INT4 encode: the midpoints of neighbouring map values, rounded to fp32 (the kernels
-# spell the same 15 numbers as literals, `triton_lib._int4_code`).
+# spell the same 15 numbers as literals, `state_lib._int4_code`).
 INT4_THRESHOLDS = ((INT4_MAP[:-1].double() + INT4_MAP[1:].double()) / 2).to(torch.float32)
 INT4_ZERO = 7  # the INT4 code of 0
 

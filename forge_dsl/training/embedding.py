@@ -1,9 +1,10 @@
 """A fused nn.Embedding: its backward hands the weight's gradient to a `RowSink` one tile of rows at a time.
 
     y = embedding(ids, weight, sink=sink)      ids [...] (int64 / int32) -> weight[ids] [..., D] (F.embedding)
-    embedding_forward(module, ids, sink)       the same for an nn.Embedding, with its options; what the
-                                               optimizer installs as the forward of a module that
-                                               `fusion_refusal` accepts
+    embedding_forward(module, ids, sink)       the same for an nn.Embedding, with its options
+    fused_embedding_forward(module, handle, ids)   what the optimizer installs as the forward of a module that
+                                               `fusion_refusal` accepts: a forward counted by the fused
+                                               weight's handle, then `embedding_forward` with it as the sink
 
 Backward, where `sink.begin()` is True: the flattened ids are sorted once (stable; padding tokens sorted past
 every row), `OFFSETS` [V + 1] marks where each row's tokens start, and for each tile of rows [r0, r0 + R) one
@@ -35,10 +36,12 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from ..kernels.checks import check_device
 from . import tensor_parallel
-from .kernels.checks import check_device
+from .weight import instance_forward_refusal
 
-__all__ = ["WORKSPACE_BYTES", "embedding", "embedding_forward", "fusion_refusal", "hand_rows", "tile_rows_for"]
+__all__ = ["WORKSPACE_BYTES", "embedding", "embedding_forward", "fused_embedding_forward", "fusion_refusal",
+           "hand_rows", "tile_rows_for"]
 
 WORKSPACE_BYTES = 64 << 20  # the fp32 gradient block of one tile of rows (docstring above)
 TILE_ROW_MULTIPLE = 64
@@ -64,9 +67,9 @@ def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
         return "not an nn.Embedding"
     if type(module).forward is not torch.nn.Embedding.forward:
         return f"{type(module).__qualname__} has its own forward, which FORGE does not replace"
-    forward = module.__dict__.get("forward")
-    if forward is not None and not _is_forge_forward(module, forward):
-        return "its forward was replaced on the instance (e.g. by a hook library), which FORGE does not replace"
+    refusal = instance_forward_refusal(module, also_forge=lambda forward: _is_sink_forward(module, forward))
+    if refusal is not None:
+        return refusal
     if module.max_norm is not None:
         return _MAX_NORM
     if module.sparse:
@@ -74,19 +77,11 @@ def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
-def _is_forge_forward(module: torch.nn.Module, forward: Any) -> bool:
-    """Whether an instance-level `forward` is FORGE's: the optimizer's `fused_linear._FusedForward`,
-    `functools.partial(embedding_forward, module, sink=...)`, or nn.Embedding's own bound to the module (what a
-    copy of a fused module holds)."""
-    from .fused_linear import _FusedForward  # the optimizer's wrapper (forge_dsl/fused_linear.py imports this module)
-
-    if isinstance(forward, _FusedForward):
-        return True
-    if not isinstance(forward, functools.partial) or len(forward.args) != 1 or forward.args[0] is not module:
-        return False
-    if forward.func is embedding_forward:
-        return set(forward.keywords) == {"sink"}
-    return forward.func is torch.nn.Embedding.forward and not forward.keywords
+def _is_sink_forward(module: torch.nn.Module, forward: Any) -> bool:
+    """Whether an instance-level `forward` is `functools.partial(embedding_forward, module, sink=...)` (a fused
+    embedding installed without an optimizer)."""
+    return (isinstance(forward, functools.partial) and forward.func is embedding_forward and len(forward.args) == 1
+            and forward.args[0] is module and set(forward.keywords) == {"sink"})
 
 
 _MAX_NORM = ("max_norm renormalizes the rows it reads in place in the forward, which FORGE's update in backward "
@@ -101,6 +96,14 @@ def embedding_forward(module: torch.nn.Embedding, ids: torch.Tensor, sink) -> to
         return _sharded_embedding(module, ids, sink)
     return embedding(ids, module.weight, sink=sink, padding_idx=module.padding_idx, max_norm=module.max_norm,
                      norm_type=module.norm_type, scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse)
+
+
+def fused_embedding_forward(module: torch.nn.Embedding, handle, ids: torch.Tensor) -> torch.Tensor:
+    """The forward `installer` gives a fused nn.Embedding: ids [...] -> [..., D]; a forward with gradients is
+    counted by `handle` (a `weight.FusedWeight`), which takes the weight's gradient in backward."""
+    if torch.is_grad_enabled() and module.weight.requires_grad and not torch.compiler.is_compiling():
+        handle.note_forward()
+    return embedding_forward(module, ids, handle)
 
 
 def _sharded_embedding(module: torch.nn.Embedding, ids: torch.Tensor, sink) -> torch.Tensor:
@@ -171,7 +174,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, *, sink, padding_idx: Opt
     check_device(weight, "weight")
     for method in ("begin", "grad_rows", "finish"):
         if not callable(getattr(sink, method, None)):
-            raise TypeError(f"sink must be a forge_dsl.row_updates.RowSink (begin, grad_rows, finish); "
+            raise TypeError(f"sink must be a forge_dsl.training.row_updates.RowSink (begin, grad_rows, finish); "
                             f"{type(sink).__name__} has no {method}()")
     num_rows = weight.shape[0]
     if padding_idx is not None:
@@ -242,8 +245,8 @@ def hand_rows(ids: torch.Tensor, grad: torch.Tensor, num_rows: int, sink, *, pad
     """Hand `sink.grad_rows(block, r0)` the gradient of every tile of rows [r0, r0 + R) of a weight [num_rows, D]
     (R = `tile_rows`, the last tile ragged), block [R, D] fp32, from ids [...] and ΔY `grad` [..., D]; a
     checked `padding_idx` in [0, num_rows) or None. One workspace [min(tile_rows, num_rows), D] serves all tiles."""
-    from .kernels.embedding_kernels import rows_grad  # triton is imported on first launch
-    from .kernels.launches import device_guard
+    from ..kernels.embedding_kernels import rows_grad  # triton is imported on first launch
+    from ..kernels.kernel_calls import device_guard
 
     dim = grad.shape[-1]
     grad2 = grad.reshape(-1, dim).contiguous()  # [T, D]

@@ -42,7 +42,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .layouts import FOUR_BIT_LAYOUTS, BLOCK, StateLayout, is_quantized, n_blocks, rows_cols, storage_shape
+from ..kernels.layouts import FOUR_BIT_LAYOUTS, BLOCK, StateLayout, is_quantized, n_blocks, rows_cols, storage_shape
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -270,8 +270,8 @@ def embedding_sharding(ids: Any, weight: torch.Tensor) -> Union[EmbeddingShardin
 
 def global_layouts(spec, p: torch.Tensor, state_dtype) -> dict[str, StateLayout]:
     """Each state's layout for DTensor `p` as its global shape resolves it (what one process holds)."""
-    from .api import state_layout
-    from .layouts import resolve_layout
+    from ..api import state_layout
+    from ..kernels.layouts import resolve_layout
 
     return {s.name: resolve_layout(state_layout(spec, s, state_dtype), s.nonneg, p.shape) for s in spec.states}
 

@@ -22,10 +22,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from . import ir
-from .checker import Level
-from .variants import Combo, assignments, runtime_flags, specialize, states_present, variant_of, variants
-from .scalar_ops import apply_scalar_op
+from ..spec import ir
+from ..spec.checker import Level
+from ..spec.variants import Combo, assignments, runtime_flags, specialize, states_present, variant_of, variants
+from ..spec.scalar_ops import apply_scalar_op
 
 __all__ = ["Operand", "Instr", "Lowered", "lower", "lower_all", "ELEMENT_INPUTS", "HOST_INPUTS"]
 

@@ -14,8 +14,8 @@ torch.optim's convention works too, for code that builds optimizers as `cls(para
     opt = forge_dsl.ForgeOptimizer(model.parameters(), "adamw", lr=3e-4)
 
 How it works: each eligible `nn.Linear` (one whose forward is nn.Linear's own:
-`fusion_refusal` says why another is not) gets an instance-level `forward`
-that runs `_ForgeLinearFn` while its optimizer lives.  Its backward computes
+`installer.fusion_refusal` says why another is not) gets an instance-level `forward`
+(`installer.attach`) that runs `linear.fused_forward` while its optimizer lives.  Its backward computes
 ΔX = ΔY·W with the old weight, then calls the tile-fused kernel, which
 accumulates each tile of dW = ΔYᵀX in registers and applies the spec's update
 there: the weight never gets a `.grad`.  Module names and `state_dict` keys do
@@ -48,142 +48,28 @@ Exactness rules (each refused loudly when it cannot hold):
     and `max_grad_norm=` is not offered;
   * `torch.autocast` over a fused layer raises: train a bf16 model instead;
   * a model sharded with tensor parallelism (DTensor weights) is fused shard by shard where each rank's dW is
-    complete, and the rest is stepped from reduced gradients (`forge_dsl.tensor_parallel`); fusing under data
+    complete, and the rest is stepped from reduced gradients (`forge_dsl.training.tensor_parallel`); fusing under data
     parallelism (DDP, FSDP, a mesh with a data-parallel dimension) is refused at construction.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from . import checkpoint, fused_head, ir, tensor_parallel
-from .api import SpecLike, init_state, load_spec
+from ..spec.keywords import check_seed, resolve_hypers
+from ..kernels.foreach import FOREACH_MAX_ELEMENTS, shared_launch_key
+from ..kernels.policy import LINEAR_PATHS, interpreting
+from ..spec.loading import SpecLike, load_spec
+from . import checkpoint, hf_head, installer, tensor_parallel
 from .consumed_grad import CLIP_MESSAGE, OUTSIDE_USE_MESSAGE, ConsumedGrad
-from .fused_linear import _FusedForward, _FusedHandle, _fused_forward_of, _restore_forwards, fusion_refusal
-from .config import check_seed, resolve_hypers
-from .kernels.foreach import FOREACH_MAX_ELEMENTS, _step_flat, shared_launch_key
-from .kernels.launch import ParamUpdate, linear_step, mix_seed, step as elementwise_step
-from .kernels.policy import LINEAR_PATHS, interpreting
+from .installer import fuse
+from .stepper import INITIAL_KEY, ParamStepper, group_hypers, initial_value_hypers
 
-__all__ = ["ForgeOptimizer", "fuse", "fusion_refusal"]
-
-def _check_not_data_parallel(model: torch.nn.Module) -> None:
-    refusal = tensor_parallel.data_parallel_refusal(model)
-    if refusal is not None:
-        raise ValueError(refusal)
-
-
-class _Candidate:
-    """What `fuse` found for one parameter of a model: its name, and for a Linear weight its module and
-    why it cannot be fused (None: it can). Holds the module and weight weakly."""
-
-    __slots__ = ("weight_ref", "module_ref", "name", "refusal")
-
-    def __init__(self, weight, module, name: str, refusal: Optional[str]) -> None:
-        self.weight_ref = weakref.ref(weight)
-        self.module_ref = weakref.ref(module) if module is not None else None
-        self.name = name
-        self.refusal = refusal
-
-
-def _candidates(model: torch.nn.Module) -> dict[int, _Candidate]:
-    """Every parameter of `model` by id: its name, and for the weight of an nn.Linear or nn.Embedding the module
-    and `fusion_refusal`'s reason, or that the weight is shared with another module."""
-    _check_not_data_parallel(model)
-    owners: dict[int, int] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
-        for p in module._parameters.values():
-            if p is not None:
-                owners[id(p)] = owners.get(id(p), 0) + 1
-    found = {id(p): _Candidate(p, None, name, None) for name, p in model.named_parameters()}
-    for name, module in model.named_modules():
-        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or module.weight is None:
-            continue
-        w = module.weight
-        refusal = fusion_refusal(module)
-        if refusal is None and owners.get(id(w), 0) > 1:
-            refusal = "shared with another module (e.g. tied embeddings)"
-        found[id(w)] = _Candidate(w, module, f"{name}.weight" if name else "weight", refusal)
-    return found
-
-
-# Parameters of models marked by `fuse`, by id (their tensors compare element-wise, so no WeakKeyDictionary).
-_PREPARED: dict[int, _Candidate] = {}
-# The LM head weights (by id) of models marked by `fuse(model, lm_head_loss=True)`: the model, weakly.
-_HEAD_LOSS: dict[int, tuple] = {}
-
-
-def fuse(model: torch.nn.Module, *, lm_head_loss: bool = False) -> torch.nn.Module:
-    """Mark `model` so that a `ForgeOptimizer` built from its parameters (torch.optim's convention,
-    `ForgeOptimizer(model.parameters(), spec, ...)` or param groups) updates its eligible nn.Linear and
-    nn.Embedding weights inside backward. Changes nothing in the model (the optimizer installs the fused
-    forwards); returns it.
-
-    lm_head_loss: a Hugging Face causal LM (`forge_dsl.fused_head.install`'s models) computes its loss without
-    logits once the optimizer exists: `model(..., labels=...)` returns the loss with `logits=None`, and
-    its LM head is updated one vocabulary block at a time in backward. Refused here (ValueError) for a
-    model it cannot do exactly.
-
-    `ForgeOptimizer(model, spec, ...)` does this itself (`lm_head_loss=` there too)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"fuse expects an nn.Module, got {type(model).__name__}")
-    if not isinstance(lm_head_loss, bool):
-        raise TypeError(f"lm_head_loss must be a bool, got {type(lm_head_loss).__name__}")
-    candidates = _candidates(model)
-    if lm_head_loss:
-        fused_head.check_installable(model)
-    for key, candidate in candidates.items():
-        weight = candidate.weight_ref()
-        candidate.weight_ref = weakref.ref(weight, lambda _, key=key: _PREPARED.pop(key, None))
-        _PREPARED[key] = candidate
-    if lm_head_loss:
-        head = model.lm_head.weight
-        _HEAD_LOSS[id(head)] = (weakref.ref(head, lambda _, key=id(head): _HEAD_LOSS.pop(key, None)),
-                                weakref.ref(model))
-    return model
-
-
-def _head_loss_model(p: torch.Tensor) -> Optional[torch.nn.Module]:
-    """The model `fuse(model, lm_head_loss=True)` marked, whose LM head weight is `p`."""
-    entry = _HEAD_LOSS.get(id(p))
-    return entry[1]() if entry is not None and entry[0]() is p else None
-
-
-def _head_sink(opt_ref, weight: torch.nn.Parameter):
-    """`fused_head.install`'s sink_for of a ForgeOptimizer (held weakly): the head weight's handle, counted as a
-    forward through the head, or None (not fused: autograd's dense dW; under torch.compile the head's loss is
-    the plain path)."""
-    opt = opt_ref()
-    handle = opt._handles.get(weight) if opt is not None else None
-    if handle is None or torch.compiler.is_compiling() or not (torch.is_grad_enabled() and weight.requires_grad):
-        return None  # without gradients (an evaluation loss) no backward comes: not a use of this step
-    handle.note_forward()
-    return handle
-
-
-def _prepared(p: torch.Tensor) -> Optional[_Candidate]:
-    candidate = _PREPARED.get(id(p))
-    return candidate if candidate is not None and candidate.weight_ref() is p else None
-
-
-# The param-group key of the hyperparameter values that initial values read, taken when the group is added.
-# A leading underscore: no spec keyword can be named so (checker.check_name).
-_INITIAL_KEY = "_forge_initial"
-
-
-def _initial_value_hypers(spec) -> list[str]:
-    """The hyperparameters that the initial values of the spec's states and scalar states read."""
-    names = []
-    for s in list(spec.states) + list(spec.scalars):
-        _, e = ir.initial_parts(s.init)
-        if isinstance(e, ir.Name) and e.id in spec.hyper_names and e.id not in names:
-            names.append(e.id)
-    return names
+__all__ = ["ForgeOptimizer", "fuse"]
 
 
 class ForgeOptimizer(torch.optim.Optimizer):
@@ -247,8 +133,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if isinstance(params, torch.nn.Module):
             model = params
             if lm_head_loss and fuse:
-                fused_head.check_installable(model)
-            candidates = _candidates(model) if fuse else {}
+                hf_head.check_installable(model)
+            candidates = installer.candidates(model) if fuse else {}
             params = model_params if model_params is not None else [
                 p for p in model.parameters() if p.requires_grad]
         else:
@@ -265,7 +151,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
             candidates = {}
         if linear_path not in LINEAR_PATHS:
             raise ValueError(f"linear_path must be one of {', '.join(LINEAR_PATHS)}, got {linear_path!r}")
-        self.linear_path = linear_path
         self.foreach = bool(foreach)
         if "max_grad_norm" in hypers:
             raise ValueError("ForgeOptimizer does not offer max_grad_norm: " + CLIP_MESSAGE)
@@ -274,7 +159,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.spec = load_spec(spec)
         resolve_hypers(self.spec, hypers, caller="ForgeOptimizer")  # unknown keywords, ranges: raise now
         defaults = dict(self.spec.keyword_defaults())
-        self._keywords = frozenset(defaults)  # what _group_hypers reads from a param group, on every update
+        self._keywords = frozenset(defaults)  # what group_hypers reads from a param group, on every update
         hypers = dict(hypers)
         for g in self.spec.groups:  # members given by name (beta1=...) become torch's tuple (betas=...)
             if any(m in hypers for m in g.members):
@@ -286,19 +171,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
         defaults.update(hypers)
         super().__init__(params, defaults)
         for group in self.param_groups:
-            resolve_hypers(self.spec, self._group_hypers(group), caller="ForgeOptimizer")  # validate early
-        self.state_dtype = state_dtype
-        self.rounding = rounding
-        self.seed = check_seed(seed)
-        self._param_index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
-        self._shard_of: dict[torch.nn.Parameter, Optional[int]] = {}  # tensor parallelism: which shard a rank holds
-        self._handles: dict[torch.nn.Parameter, _FusedHandle] = {}
-        self._head_installs: list = []  # fused_head.install's handles, one per causal LM (lm_head_loss)
+            resolve_hypers(self.spec, group_hypers(group, self._keywords), caller="ForgeOptimizer")  # validate early
+        self._stepper = ParamStepper(self.spec, self.state, self._keywords, state_dtype=state_dtype,
+                                     rounding=rounding, seed=check_seed(seed), linear_path=linear_path)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._stepper.add(p, group)
+        self._head_installs: list = []  # hf_head.install's handles, one per causal LM (lm_head_loss)
         self._unfused_reason: dict[torch.nn.Parameter, str] = {}
-        self._backward_open = False  # a fused update ran in a backward that has not finished (see _fused_update)
         if model is None:  # parameters first: what `fuse(model)` recorded for them
-            candidates = {id(p): c for p in self._param_index if (c := _prepared(p)) is not None}
+            candidates = {id(p): c for p in self._param_index if (c := installer.marked(p)) is not None}
             if fuse and not any(c.module_ref is not None for c in candidates.values()):
                 warnings.warn("ForgeOptimizer got parameters of no model marked with forge_dsl.fuse(model): every "
                               "parameter is stepped from .grad in step() (exact, but without the fused update's "
@@ -310,14 +192,61 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if fuse:
             heads = [model] if lm_head_loss else []
             if model is None:
-                heads = [m for p in self._param_index if (m := _head_loss_model(p)) is not None]
-            self._attach(candidates, heads)
+                heads = [m for p in self._param_index if (m := installer.head_loss_model(p)) is not None]
+            forwards, self._head_installs = installer.attach(self._stepper, self._param_index, candidates, heads,
+                                                             self._unfused_reason)
+            # the optimizer's end gives every module back its forward (detach() does it at once)
+            self._finalizer = weakref.finalize(self, installer.restore_all, [f.restore for f in forwards] +
+                                               [install.remove for install in self._head_installs])
+
+    # -- what the stepper holds, as torch.optim's users read it ---------------
+    @property
+    def state_dtype(self) -> Union[str, Mapping[str, str]]:
+        """The state layout new states get (a loaded state dict sets it to the one it was saved with)."""
+        return self._stepper.state_dtype
+
+    @state_dtype.setter
+    def state_dtype(self, value) -> None:
+        self._stepper.state_dtype = value
+
+    @property
+    def rounding(self) -> str:
+        """How bf16 weights are written: "stochastic" or "nearest"."""
+        return self._stepper.rounding
+
+    @rounding.setter
+    def rounding(self, value: str) -> None:
+        self._stepper.rounding = value
+
+    @property
+    def seed(self) -> int:
+        """The stochastic-rounding seed new states draw theirs from."""
+        return self._stepper.seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self._stepper.seed = check_seed(value)
+
+    @property
+    def linear_path(self) -> str:
+        """How a fused layer's update runs: "auto", "fused" or "slab" (`kernels.linear_step`)."""
+        return self._stepper.linear_path
+
+    @linear_path.setter
+    def linear_path(self, value: str) -> None:
+        self._stepper.linear_path = value
+
+    @property
+    def _param_index(self) -> dict:
+        """Each parameter's index in the groups' order (what its seed is drawn from)."""
+        return self._stepper.param_index
+
+    @property
+    def _handles(self) -> dict:
+        """Each fused weight's handle (`weight.FusedWeight`), by parameter."""
+        return self._stepper.progress.weights
 
     # -- construction ------------------------------------------------------
-    def _group_hypers(self, group: Mapping[str, Any]) -> dict[str, Any]:
-        """The spec's keywords in a param group (schedulers add others, e.g. initial_lr)."""
-        return {k: v for k, v in group.items() if k in self._keywords and v is not None}
-
     def _check_param(self, p: torch.Tensor) -> None:
         """Refuse a parameter the kernels cannot update (dtype, device, layout), or whose int8 / int4 state a
         tensor-parallel shard would cut (`tensor_parallel.quantized_sharding_refusal`): before any update."""
@@ -341,139 +270,28 @@ class ForgeOptimizer(torch.optim.Optimizer):
             refusal = tensor_parallel.quantized_sharding_refusal(p, layouts, self._names.get(p, "a parameter"))
             if refusal is not None:
                 raise ValueError(refusal)
-            self._shard_of[p] = tensor_parallel.shard_index(p)
-
-    def _attach(self, candidates: dict[int, _Candidate], heads: list) -> None:
-        """Install the fused forward on every eligible Linear and Embedding whose weight this optimizer trains,
-        and the loss without logits on the causal LMs `heads`."""
-        for p in self._param_index:  # refused before any module changes
-            candidate = candidates.get(id(p))
-            refusal = tensor_parallel.mesh_refusal(p, candidate.name) if candidate is not None else None
-            if refusal is not None and candidate.module_ref is not None and candidate.refusal is None:
-                raise ValueError(refusal)
-        forwards = []
-        for p in self._param_index:
-            candidate = candidates.get(id(p))
-            module = candidate.module_ref() if candidate is not None and candidate.module_ref is not None else None
-            if module is None or module.weight is not p:
-                continue
-            refusal = fusion_refusal(module) or candidate.refusal  # the module may have changed since fuse()
-            if refusal is not None:
-                self._unfused_reason[p] = refusal
-                continue
-            if not p.requires_grad:
-                continue
-            other = _fused_forward_of(module)
-            if other is not None and other.handle.opt_ref() is not None:
-                raise ValueError(
-                    f"'{candidate.name}' is already fused by another ForgeOptimizer; call .detach() on that one first"
-                )
-            handle = _FusedHandle(self, module, candidate.name)
-            forward = _FusedForward(module, handle)
-            module.forward = forward
-            forwards.append(forward)
-            self._handles[p] = handle
-        sink_for = functools.partial(_head_sink, weakref.ref(self))
-        self._head_installs = [fused_head.install(model, sink_for) for model in heads]  # checked before: no raise
-        # the optimizer's end gives every module back its forward (detach() does it at once)
-        self._finalizer = weakref.finalize(self, _restore_forwards, [f.restore for f in forwards] +
-                                           [install.remove for install in self._head_installs])
+            self._stepper.shard_of[p] = tensor_parallel.shard_index(p)
 
     def detach(self) -> None:
         """Give every fused Linear back the forward it had (the model then trains with any optimizer); the
         parameters left are stepped from `.grad` in `step()`."""
-        for install in self._head_installs:
-            install.remove()
-        self._head_installs = []
-        for p, handle in self._handles.items():
-            module = handle.module_ref()
-            forward = _fused_forward_of(module) if module is not None else None
-            if forward is not None and forward.handle is handle:
-                forward.restore()
-            if isinstance(p.grad, ConsumedGrad):
-                p.grad = None
-        self._handles.clear()
+        installer.detach(self._stepper, self._head_installs)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's `add_param_group`; parameters added after construction are stepped from `.grad` in `step()`."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        cfg = resolve_hypers(self.spec, self._group_hypers(group), caller="ForgeOptimizer")
+        cfg = resolve_hypers(self.spec, group_hypers(group, self._keywords), caller="ForgeOptimizer")
         # Initial values that read hyperparameters (`scalar base_lr = lr`) take them as they are now, before
         # any LR schedule changes the group: torch optimizers that keep a base value read it at construction.
-        group.setdefault(_INITIAL_KEY, {name: cfg.hypers[name] for name in _initial_value_hypers(self.spec)})
-        if not hasattr(self, "_param_index"):  # called by torch.optim.Optimizer.__init__: indexed there
+        group.setdefault(INITIAL_KEY, {name: cfg.hypers[name] for name in initial_value_hypers(self.spec)})
+        if not hasattr(self, "_stepper"):  # called by torch.optim.Optimizer.__init__: taken there
             return
         for p in group["params"]:
             self._check_param(p)
-            self._param_index[p] = len(self._param_index)
-            self._group_of[p] = group
+            self._stepper.add(p, group)
 
     # -- the update --------------------------------------------------------
-    def _param_seed(self, p: torch.Tensor) -> int:
-        return (self.seed * 1_000_003 + self._param_index[p]) & 0x7FFFFFFF
-
-    def _rounding_seed(self, p: torch.Tensor, state: Mapping[str, Any]) -> int:
-        """The stochastic-rounding seed of `p`'s update: its state's seed (the same on every rank), mixed with the
-        shard a rank holds under tensor parallelism (shards draw independent bits, replicas the same)."""
-        shard = self._shard_of.get(p)
-        seed = int(state["seed"])
-        return seed if shard is None else mix_seed(seed, shard + 1)
-
-    def _state_for(self, p: torch.Tensor, group: Mapping[str, Any], hypers: Mapping[str, Any]) -> dict:
-        state = self.state[p]
-        if not state:
-            layout = self.state_dtype
-            if tensor_parallel.is_dtensor(p):  # the local shard, in the layouts of the whole parameter
-                layout = tensor_parallel.state_layouts(self.spec, p, self.state_dtype)
-            state.update(init_state(self.spec, tensor_parallel.local(p), layout=layout,
-                                    initial_hypers=group.get(_INITIAL_KEY), **hypers))
-            state["step"] = torch.tensor(0.0)
-            # a group with state carries its checkpoint metadata from now on (forge_dsl/checkpoint.py: why)
-            group.setdefault(checkpoint.META_KEY, self._checkpoint_metadata())
-            state["seed"] = torch.tensor(self._param_seed(p), dtype=torch.int64)
-        return state
-
-    def _fused_update(self, weight: torch.nn.Parameter, x: torch.Tensor, dy: torch.Tensor) -> None:
-        """One fused layer's update inside backward; its step counter moves with it, so the optimizer's state
-        is consistent whatever interrupts the backward after it."""
-        group = self._group_of[weight]
-        hypers = self._group_hypers(group)
-        state = self._state_for(weight, group, hypers)
-        self._open_backward()
-        linear_step(
-            self.spec, x, dy, tensor_parallel.local(weight), state, path=self.linear_path,
-            step=int(state["step"].item()) + 1, seed=self._rounding_seed(weight, state), rounding=self.rounding,
-            tf32=torch.get_float32_matmul_precision() != "highest", **hypers,
-        )
-        state["step"] += 1
-
-    def _open_backward(self) -> None:
-        if not self._backward_open:
-            # cleared by the autograd engine when this backward finishes, not when an exception ends it
-            self._backward_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
-
-    def _begin_rows_update(self, weight: torch.nn.Parameter) -> ParamUpdate:
-        """One step of a fused weight whose gradient comes in blocks of rows (`_FusedHandle.begin`)."""
-        group = self._group_of[weight]
-        hypers = self._group_hypers(group)
-        state = self._state_for(weight, group, hypers)
-        self._open_backward()
-        return ParamUpdate(self.spec, tensor_parallel.local(weight), state, step=int(state["step"].item()) + 1,
-                           seed=self._rounding_seed(weight, state), rounding=self.rounding, **hypers)
-
-    def _finish_rows_update(self, weight: torch.nn.Parameter, update: ParamUpdate) -> None:
-        update.commit()
-        self.state[weight]["step"] += 1
-
-    def _backward_finished(self) -> None:
-        self._backward_open = False
-
-    def _updated_count(self) -> tuple[int, int]:
-        """(fused layers updated in this step, fused layers)."""
-        return sum(h.updated for h in self._handles.values()), len(self._handles)
-
     @torch.no_grad()
     def step(self, closure=None):
         """Step every parameter that has a `.grad` (the fused weights were stepped in backward)."""
@@ -481,23 +299,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._backward_open:  # the last backward was interrupted: close the step, step nothing from .grad
-            for handle in self._handles.values():
-                if handle.close_rows():  # a weight interrupted between blocks of rows: its step counter moves
-                    handle.updated = True
-            updated, fused = self._updated_count()
+        progress = self._stepper.progress
+        if progress.backward_open:  # the last backward was interrupted: close the step, step nothing from .grad
+            updated, fused = progress.close_interrupted()
             warnings.warn(f"the last backward was interrupted after FORGE had updated {updated} of the {fused} "
                           "fused layers (they keep this step's update): step() closed the step without stepping "
                           "the parameters updated from .grad, whose gradients that backward left incomplete. "
                           "Call optimizer.zero_grad() and run the batch again.", RuntimeWarning, stacklevel=2)
-            self._end_step()
+            progress.end()
             return loss
         for group in self.param_groups:
-            hypers = self._group_hypers(group)
+            hypers = self._stepper.group_hypers(group)
             shared: dict[tuple, list[torch.nn.Parameter]] = {}  # (step, shared_launch_key, shard) -> params
             grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # the local gradient of each, reduced where Partial
             for p in group["params"]:
-                handle = self._handles.get(p)
+                handle = progress.weights.get(p)
                 if handle is not None and handle.updated:
                     if not isinstance(p.grad, ConsumedGrad):
                         raise RuntimeError(f"'{handle.name}': " + OUTSIDE_USE_MESSAGE)
@@ -508,36 +324,20 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     handle.bypassed = not handle.shared and handle.plain_reason is None
                 if p.grad.is_sparse:
                     raise ValueError("sparse gradients are not supported (nn.Embedding(sparse=True))")
-                state = self._state_for(p, group, hypers)
+                state = self._stepper.state_for(p, group, hypers)
                 param, grad = tensor_parallel.local(p), tensor_parallel.local_grad(p)
                 key = None
                 if self.foreach and param.numel() <= FOREACH_MAX_ELEMENTS:
                     key = shared_launch_key(self.spec, param, grad, state)
                 if key is not None:  # shards of one rank draw their own bits, replicas the same: kept apart
-                    shared.setdefault((int(state["step"]), key, self._shard_of.get(p)), []).append(p)
+                    shared.setdefault((int(state["step"]), key, self._stepper.shard_of.get(p)), []).append(p)
                     grads[p] = grad
                     continue
-                elementwise_step(
-                    self.spec, param, grad, state, step=int(state["step"].item()) + 1,
-                    seed=self._rounding_seed(p, state), rounding=self.rounding, **hypers,
-                )
-                state["step"] += 1
+                self._stepper.from_grad(p, grad, state, hypers)
             for (count, _, _), params in shared.items():
-                states = [self.state[p] for p in params]
-                # grouped by shared_launch_key just above: foreach_step's checks would find them equal again
-                _step_flat(self.spec, [tensor_parallel.local(p) for p in params], [grads[p] for p in params], states,
-                           step=count + 1, seed=self._rounding_seed(params[0], states[0]), rounding=self.rounding,
-                           **hypers)
-                for state in states:
-                    state["step"] += 1
-        self._end_step()
+                self._stepper.flat(params, [grads[p] for p in params], count, hypers)
+        progress.end()
         return loss
-
-    def _end_step(self) -> None:
-        self._backward_open = False
-        for handle in self._handles.values():
-            handle.forward_uses = 0
-            handle.updated = False
 
     # -- reporting and checkpoints -----------------------------------------
     def describe(self) -> str:
@@ -553,7 +353,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         bypassed = [h.name for h in self._handles.values() if h.bypassed]
         lines.append(f"  fused in backward ({len(fused)}): " + (", ".join(fused) or "none"))
         for install in self._head_installs:
-            lines.append(f"  loss without logits (forge_dsl.fused_head): {install.describe()}")
+            lines.append(f"  loss without logits (forge_dsl.training.hf_head): {install.describe()}")
         if shared:
             lines.append(f"  unfused, used several times in the last step ({len(shared)}): " + ", ".join(shared))
         if bypassed:
@@ -568,19 +368,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         lines.append(f"  stepped from .grad in step() ({len(rest)}): " + (", ".join(rest) or "none"))
         return "\n".join(lines)
 
-    def _checkpoint_metadata(self) -> dict:
-        """What this optimizer's states are, as `state_dict()` records it in each param group."""
-        return checkpoint.metadata(self.spec, self.state_dtype, self.rounding, self.seed)
-
     def state_dict(self) -> dict:
         """torch's state dict; each param group carries `checkpoint.META_KEY`: the spec, its hash, the state
-        layout, rounding and seed, which `load_state_dict` checks the states against (forge_dsl/checkpoint.py
+        layout, rounding and seed, which `load_state_dict` checks the states against (forge_dsl/training/checkpoint.py
         says why it sits in the groups: torch.distributed.checkpoint keeps them)."""
         for group in self.param_groups:
-            group[checkpoint.META_KEY] = self._checkpoint_metadata()
+            group[checkpoint.META_KEY] = self._stepper.checkpoint_metadata()
         sd = super().state_dict()
         for group in sd["param_groups"]:  # not the live groups' dicts: a caller may edit what it got
-            group[checkpoint.META_KEY] = self._checkpoint_metadata()
+            group[checkpoint.META_KEY] = self._stepper.checkpoint_metadata()
         for index, p in enumerate(self._param_index):  # torch numbers parameters in the groups' order
             if tensor_parallel.is_dtensor(p) and index in sd["state"]:  # sharded state: DTensors of p's mesh
                 layouts = tensor_parallel.global_layouts(self.spec, p, self.state_dtype)

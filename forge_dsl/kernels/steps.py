@@ -27,14 +27,14 @@ from typing import Any, MutableMapping, Optional
 
 import torch
 
-from ..loading import SpecLike, load_spec
-from ..config import check_step, resolve_hypers
-from ..layouts import holds_codes
-from . import prepared
+from ..spec.loading import SpecLike, load_spec
+from ..spec.keywords import check_step, resolve_hypers
+from .layouts import holds_codes
+from . import reuse as prepared
 from .checks import (any_quantized, bind_states, check_config, check_device, check_linear, check_rounding,
                      check_warp_specialized, tma_compatible, tma_readable, weight_view)
-from .compiled import compiled_module
-from .launches import device_guard, launch_elementwise, launch_fused, mix_seed
+from ..compiler.loader import compiled_module
+from .kernel_calls import device_guard, launch_elementwise, launch_fused, mix_seed
 from .policy import (LINEAR_PATHS, WS_MIN_ELEMENTS, TileConfig, auto_linear_path, default_slab_bytes, fused_config,
                      hopper_with_gluon, slab_rows, stored_bytes)
 
@@ -220,7 +220,7 @@ def fused_linear_step(
 
     A warp-specialized call whose arguments' metadata (shapes, strides, dtypes, devices, 16-byte alignment,
     state tensors, the spec's variant) repeat a checked call's reuses that call's launch: the checks, the
-    config and Triton's argument binding are skipped, the keywords still resolved (forge_dsl/kernels/prepared.py;
+    config and Triton's argument binding are skipped, the keywords still resolved (forge_dsl/kernels/reuse.py;
     a third to a half of the host time).
     """
     _linear(spec, x, dy, weight, state, step, seed, rounding, tf32, config, None, hypers, "fused")
@@ -278,7 +278,7 @@ def _auto_path(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state) -
 
 def _reuse_key(spec, hypers: dict, x, dy, weight, state, rounding, tf32, config) -> Optional[tuple]:
     """(key, resolved keywords, spec) of a call that can reuse a prepared warp-specialized launch
-    (forge_dsl/kernels/prepared.py), or None: reuse off, not a Hopper GPU, a layer below the warp-specialized
+    (forge_dsl/kernels/reuse.py), or None: reuse off, not a Hopper GPU, a layer below the warp-specialized
     kernel's size under the default config, or keywords the checked path must refuse (it raises, in its own
     order)."""
     if (not prepared.enabled() or not isinstance(weight, torch.Tensor) or not hopper_with_gluon(weight.device)

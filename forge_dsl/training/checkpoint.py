@@ -24,7 +24,7 @@ changes nothing.)
 layouts, rounding, seed), each param group's hyperparameters, and for every parameter's state: its entries
 (the states its group's flags create, their int8 scales, `step`, `seed`, the scalar states, nothing else),
 each state's dtype against the layout it was saved with (`forge_dsl.api.state_layout`,
-`forge_dsl.layouts.resolve_layout`), its shape against the parameter's, `step` and `seed` whole numbers.
+`forge_dsl.kernels.layouts.resolve_layout`), its shape against the parameter's, `step` and `seed` whole numbers.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import ir
-from .api import state_layout
-from .config import check_seed, resolve_hypers
-from .layouts import (FOUR_BIT_LAYOUTS, SCALE_DTYPES, StateLayout, is_quantized, layout_of, n_blocks, resolve_layout,
-                      rows_cols, storage_dtype, storage_shape)
-from .printer import print_spec
-from .reference import initial_values
+from ..spec import ir
+from ..api import state_layout
+from ..spec.keywords import check_seed, resolve_hypers
+from ..kernels.layouts import (FOUR_BIT_LAYOUTS, SCALE_DTYPES, StateLayout, is_quantized, layout_of, n_blocks,
+                               resolve_layout, rows_cols, storage_dtype, storage_shape)
+from ..spec.printer import print_spec
+from ..reference import initial_values
 
 __all__ = ["META_KEY", "FORMAT", "metadata", "check_state_dict", "Loaded", "spec_digest", "held_layouts"]
 

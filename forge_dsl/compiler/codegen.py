@@ -2,7 +2,7 @@
 
 Python decides everything here (names, which values are kernel arguments,
 how each operation is spelled in Triton and in host Python, which states a
-variant loads) and hands the Jinja template (forge_dsl/templates/) plain
+variant loads) and hands the Jinja template (forge_dsl/compiler/templates/) plain
 data; the template holds only structure.  Output is deterministic: no
 timestamps, declaration order throughout.
 """
@@ -21,9 +21,9 @@ from typing import Optional
 
 import jinja2
 
-from . import ir
-from .variants import describe_combo, runtime_flags
-from .variants import variants as compiled_variants
+from ..spec import ir
+from ..spec.variants import describe_combo, runtime_flags
+from ..spec.variants import variants as compiled_variants
 from .lowering import Instr, Lowered, Operand, lower_all
 
 __all__ = ["render_module", "compiler_hash", "spec_hash", "read_stamp", "Stamp", "OUTPUTS", "TEMPLATE_NAMES",
@@ -32,16 +32,17 @@ __all__ = ["render_module", "compiler_hash", "spec_hash", "read_stamp", "Stamp",
 TEMPLATE_NAMES = ("module.py.j2",)
 GENERATOR_VERSION = "2"
 # The forge_dsl modules that turn a spec's text into a generated module's text (parse, check, lower,
-# render) and every forge_dsl module they import; with the grammar and the templates they make the
-# compiler hash.  The kernel library (kernels/triton_lib.py, kernels/gluon_lib.py) is imported by the
-# generated code, never copied into it, so it is not here: regenerating after changing it writes the
-# same bytes.  tests/test_cache.py checks that this list is the import closure of the pipeline.
-COMPILER_MODULES = ("checker", "codegen", "errors", "ir", "lowering", "nonneg", "parser", "printer", "scalar_ops",
-                    "variants")
+# render) and every forge_dsl module they import, as paths under forge_dsl/; with the grammar and the
+# templates they make the compiler hash.  The kernel library (kernels/tile_lib.py and the others the
+# generated code imports) is never copied into it, so it is not here: regenerating after changing it
+# writes the same bytes.  tests/compiler/test_cache.py checks that this list is the import closure of the
+# pipeline.
+COMPILER_MODULES = ("compiler/codegen", "compiler/lowering", "spec/checker", "spec/errors", "spec/ir", "spec/nonneg",
+                    "spec/parser", "spec/printer", "spec/scalar_ops", "spec/variants")
 
 
 def _template_text(name: str) -> str:
-    return resources.files("forge_dsl.templates").joinpath(name).read_text(encoding="utf-8")
+    return resources.files("forge_dsl.compiler.templates").joinpath(name).read_text(encoding="utf-8")
 
 
 def _compiler_sources() -> list[tuple[str, str]]:
@@ -51,7 +52,7 @@ def _compiler_sources() -> list[tuple[str, str]]:
         encoding="utf-8"))]
     sources += [(f"forge_dsl/{m}.py", package.joinpath(f"{m}.py").read_text(encoding="utf-8"))
                 for m in COMPILER_MODULES]
-    sources += [(f"forge_dsl/templates/{t}", _template_text(t)) for t in TEMPLATE_NAMES]
+    sources += [(f"forge_dsl/compiler/templates/{t}", _template_text(t)) for t in TEMPLATE_NAMES]
     return sources
 
 
@@ -214,7 +215,7 @@ def _int_power(base: str, n: int) -> str:
 # Exact integer powers by multiplication up to this |exponent|; above it the general form (math_pow).
 _MAX_INT_POWER = 32
 
-# Functions spelled by a kernel-library helper (forge_dsl/kernels/triton_lib.py): op -> helper.
+# Functions spelled by a kernel-library helper (forge_dsl/kernels/math_lib.py): op -> helper.
 LIB_FUNCTIONS = {"pow": "math_pow", "atan": "math_atan", "atan2": "math_atan2", "tanh": "math_tanh",
                  "erf": "math_erf", "log1p": "math_log1p", "expm1": "math_expm1"}
 

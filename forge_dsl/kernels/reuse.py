@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..layouts import holds_codes
+from .layouts import holds_codes
 
 __all__ = ["VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "current_stream", "enabled",
            "entries", "exports_signature", "lookup", "remember", "set_enabled", "supported"]

@@ -7,7 +7,7 @@
 Without `-o`, the output folder is `generated/` beside a folder named `optimizers/`, and otherwise
 the spec's own folder (`kernels.compiled.default_out`); with `-o`, forge-gen records the module in
 the cache folder's registry.  Either way `load_spec` and the kernels then run this module while it
-is current (see forge_dsl/kernels/compiled.py).  Files are written atomically.
+is current (see forge_dsl/compiler/loader.py).  Files are written atomically.
 
 Exit status: 0 done, 1 a spec error or (with --check) a stale or damaged file, 2 bad arguments or
 files that cannot be read or written.
@@ -19,10 +19,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from .loading import load_spec
+from ..spec.loading import load_spec
 from .codegen import read_stamp, render_module
-from .errors import SpecError
-from .kernels.compiled import atomic_write, default_out, register
+from ..spec.errors import SpecError
+from .loader import atomic_write, default_out, register
 
 __all__ = ["main", "generate"]
 

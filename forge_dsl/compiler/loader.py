@@ -37,9 +37,9 @@ from importlib import util as importlib_util
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .. import ir
-from ..loading import SpecLike, load_spec
-from ..codegen import compiler_hash, read_stamp, render_module, spec_hash
+from ..spec import ir
+from ..spec.loading import SpecLike, load_spec
+from .codegen import compiler_hash, read_stamp, render_module, spec_hash
 
 __all__ = ["compiled_module", "module_path", "cache_dir", "default_out", "register", "atomic_write",
            "GeneratedModuleWarning"]

@@ -1,0 +1,1 @@
+"""Jinja templates of the generated modules (rendered by forge_dsl/compiler/codegen.py)."""

@@ -1,1 +1,0 @@
-"""Jinja templates of the generated modules (rendered by forge_dsl/codegen.py)."""
