@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import forge_dsl  # noqa: E402
-from forge_dsl.bench.common import Progress, pyplot  # noqa: E402
+import forge_dsl
+from forge_dsl.bench.common import Progress, pyplot
+from forge_dsl.interpreter import use_interpreter
 
 __all__ = ["load_corpus", "main"]
 
@@ -91,6 +88,8 @@ class ByteTransformer(torch.nn.Module):
 
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
+    if not cuda:  # before the first launch imports triton
+        use_interpreter("python -m forge_dsl.demo")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000 if cuda else 90)
     ap.add_argument("--spec", default="adamw")

@@ -1,8 +1,8 @@
-"""Choosing Triton's interpreter from a command line, before triton is first imported.
+"""Whether the kernels run in Triton's interpreter, and choosing it before triton is first imported.
 
 `TRITON_INTERPRET=1` takes effect only if it is set before `import triton`; the console scripts
-(`forge-bench`, `forge-test`) call `use_interpreter` for `--device cpu` before they import anything
-that imports triton. Nothing here imports triton.
+(`forge-bench`, `forge-test`) and the demo call `use_interpreter` on a machine without CUDA before they
+import anything that imports triton (`import forge_dsl` does not). Nothing here imports torch or triton.
 """
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["use_interpreter"]
+__all__ = ["interpreting", "use_interpreter"]
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (`TRITON_INTERPRET=1`): tensors then live on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def use_interpreter(command: str) -> None:
@@ -19,7 +24,7 @@ def use_interpreter(command: str) -> None:
     Raises:
         RuntimeError: triton is already imported without it (the message says how to run `command`).
     """
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return
     if "triton" in sys.modules:
         raise RuntimeError(f"--device cpu needs TRITON_INTERPRET=1 before triton is imported; "

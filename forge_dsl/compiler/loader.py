@@ -35,18 +35,26 @@ import types
 import warnings
 from importlib import util as importlib_util
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional
 
 from ..spec import ir
 from ..spec.loading import SpecLike, load_spec
 from .codegen import compiler_hash, read_stamp, render_module, spec_hash
 
-__all__ = ["compiled_module", "module_path", "cache_dir", "default_out", "register", "atomic_write",
-           "GeneratedModuleWarning"]
+__all__ = ["compiled_module", "compiled_variants", "module_path", "cache_dir", "default_out", "register",
+           "atomic_write", "GeneratedModuleWarning", "Variant"]
 
 REGISTRY = "modules.json"
 _REGISTRY_LIMIT = 256  # spec hashes remembered; the oldest are dropped
 _PATHS_PER_SPEC = 8
+
+
+class Variant(NamedTuple):
+    """One compiled variant of a spec, as a generated module's `VARIANTS` lists it (by flag combination)."""
+
+    host: Callable  # host_v<i>(hypers, step, scalars) -> (the host scalars h, the new scalar state)
+    update: Any  # update_v<i>(b_param, b_grad, b_states, h), a triton.jit function: the per-element program
+    states: tuple[str, ...]  # the states update_v<i> reads and writes, in its order
 
 
 class GeneratedModuleWarning(UserWarning):
@@ -145,19 +153,28 @@ def register(s_hash: str, module: Path) -> None:
 
 # id(spec) -> (spec, module): the launchers ask once per layer per step, so the lookup must be
 # cheaper than hashing the spec's text or its IR.
-_BY_SPEC_OBJECT: dict[int, tuple[ir.Spec, types.ModuleType]] = {}
+_BY_SPEC_OBJECT: dict[int, tuple[ir.Spec, types.ModuleType, Mapping[tuple, Variant]]] = {}
 # (file, its sha256 line) -> module: one file is executed once per process.
 _LOADED: dict[tuple[str, bytes], types.ModuleType] = {}
 
 
 def compiled_module(spec: ir.Spec) -> types.ModuleType:
     """The generated module that runs `spec` (see the module docstring); `.__file__` is its path."""
+    return _lookup(spec)[1]
+
+
+def compiled_variants(spec: ir.Spec) -> Mapping[tuple, Variant]:
+    """The compiled variants of `spec`'s module, by flag combination (`spec.variants.variants`)."""
+    return _lookup(spec)[2]
+
+
+def _lookup(spec: ir.Spec) -> tuple[ir.Spec, types.ModuleType, Mapping[tuple, Variant]]:
     hit = _BY_SPEC_OBJECT.get(id(spec))
     if hit is not None and hit[0] is spec:
-        return hit[1]
+        return hit
     module = _compiled(spec.name, spec_hash(spec.source), compiler_hash(), spec.path, str(cache_dir()), spec)
-    _BY_SPEC_OBJECT[id(spec)] = (spec, module)
-    return module
+    hit = _BY_SPEC_OBJECT[id(spec)] = (spec, module, {combo: Variant(*v) for combo, v in module.VARIANTS.items()})
+    return hit
 
 
 def module_path(spec: SpecLike) -> Path:

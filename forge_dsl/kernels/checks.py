@@ -15,10 +15,13 @@ import torch
 from .layouts import BLOCK, SCALE_DTYPES, StateLayout, as_rows, is_quantized, layout_of, n_blocks, storage_shape
 from .policy import TileConfig, hopper_with_gluon, interpreting
 
-ROUNDINGS = ("stochastic", "nearest")
+ROUNDINGS = ("stochastic", "nearest")  # how a bf16 weight is written (`kernel_calls.rounding_code`)
+DEFAULT_ROUNDING = "stochastic"
+DEFAULT_SEED = 0  # the stochastic-rounding seed of every entry point that takes one
 
 
 def check_rounding(rounding: str) -> None:
+    """Refuse a rounding that is not one of `ROUNDINGS` (a ValueError naming them)."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
 

@@ -31,6 +31,7 @@ from typing import Any, Hashable, MutableMapping, Optional, Sequence
 import torch
 
 from ..spec.loading import SpecLike, load_spec
+from .checks import DEFAULT_ROUNDING, DEFAULT_SEED
 from .layouts import BLOCK, as_rows, holds_codes, layout_of, n_blocks, storage_shape
 from .steps import step as elementwise_step
 
@@ -123,8 +124,8 @@ def foreach_step(
     states: Sequence[MutableMapping[str, Any]],
     *,
     step: int,
-    seed: int = 0,
-    rounding: str = "stochastic",
+    seed: int = DEFAULT_SEED,
+    rounding: str = DEFAULT_ROUNDING,
     **hypers: Any,
 ) -> None:
     """Update every `params[i]` and `states[i]` in place from `grads[i]`, in one element-wise launch.

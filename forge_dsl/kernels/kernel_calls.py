@@ -6,7 +6,7 @@
         `tile_kernels.step`
 
 `key` is the stochastic-rounding key (`mix_seed`), `update` / `exports` a variant's update function and
-host scalars (`compiled_module(spec).VARIANTS`), `states` the bound state (`checks.StateArgs`).
+host scalars (`compiler.loader.compiled_variants`), `states` the bound state (`checks.StateArgs`).
 """
 
 from __future__ import annotations

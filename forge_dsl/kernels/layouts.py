@@ -200,6 +200,33 @@ class StateLayout(enum.IntEnum):
     INT4 = 4  # signed, two codes a byte (int8 storage [..., cols / 2]): x ≈ scale * INT4_MAP[q], scale = absmax of block
     UINT4 = 5  # unsigned (states declared nonneg), two codes a byte (uint8 storage): x ≈ scale * (q + 1) / 16
 
+    @property
+    def layout_name(self) -> str:
+        """The `LAYOUT_NAMES` entry that gives this layout ("int8" and "int4" give a nonneg state the unsigned maps)."""
+        return _LAYOUT_TEXT[self][0]
+
+    @property
+    def words(self) -> str:
+        """How messages and `describe()` name it: "uint8 (sqrt map)" for UINT8_SQRT."""
+        return _LAYOUT_TEXT[self][1]
+
+    @property
+    def storage_words(self) -> str:
+        """What its storage holds, for messages: "int8 codes", "uint8 bytes of two int4 codes each ...", "float32"."""
+        return _LAYOUT_TEXT[self][2]
+
+
+# Each layout's name (`LAYOUT_NAMES`), its words and its storage's words: the one table of both (`StateLayout`).
+_LAYOUT_TEXT = {
+    StateLayout.FP32: ("fp32", "fp32", "torch.float32"),
+    StateLayout.BF16: ("bf16", "bf16", "torch.bfloat16"),
+    StateLayout.INT8: ("int8", "int8", "int8 codes"),
+    StateLayout.UINT8_SQRT: ("int8", "uint8 (sqrt map)", "uint8 codes (the sqrt map of a nonneg state)"),
+    StateLayout.INT4: ("int4", "int4", "int8 bytes of two int4 codes each"),
+    StateLayout.UINT4: ("int4", "uint4 (no-zero map)",
+                        "uint8 bytes of two int4 codes each (the no-zero map of a nonneg state)"),
+}
+
 
 _STORAGE_DTYPES = {
     StateLayout.FP32: torch.float32,

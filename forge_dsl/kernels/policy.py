@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ..interpreter import interpreting
 from .layouts import storage_dtype
 
 __all__ = ["TileConfig", "fused_config", "step_config", "auto_linear_path", "LINEAR_PATHS", "slab_rows",
@@ -132,13 +132,6 @@ class TileConfig:
 
 
 _CONFIG_KEYWORDS = ("split", "maxnreg", "ws", "mmaregs", "prefetch", "mmaslices")  # TileConfig.parse's key=value
-
-
-_CONFIG_KEYWORDS = ("split", "maxnreg", "ws", "mmaregs", "prefetch", "mmaslices")  # TileConfig.parse's key=value
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # The fused kernel's tile configs (`fused_config` picks one; the PERF.md entries that measured them).

@@ -17,7 +17,7 @@ tensors live on the CPU and the kernels run in the Triton interpreter (`TRITON_I
 before triton is imported). The path of a call: `checks` refuses what the kernels cannot run, `policy`
 picks the tile config and the path, `ParamUpdate` binds the variant, its host scalars and the state once,
 `launches` runs the kernels; a warp-specialized call whose metadata repeats a checked call's reuses that
-call's launch (`prepared`), tried once per call in `_linear`.
+call's launch (`reuse`), tried once per call in `_linear`.
 """
 
 from __future__ import annotations
@@ -30,18 +30,15 @@ import torch
 from ..spec.loading import SpecLike, load_spec
 from ..spec.keywords import check_step, resolve_hypers
 from .layouts import holds_codes
-from . import reuse as prepared
-from .checks import (any_quantized, bind_states, check_config, check_device, check_linear, check_rounding,
+from . import reuse
+from .checks import (DEFAULT_ROUNDING, DEFAULT_SEED, any_quantized, bind_states, check_config, check_device, check_linear, check_rounding,
                      check_warp_specialized, tma_compatible, tma_readable, weight_view)
-from ..compiler.loader import compiled_module
+from ..compiler.loader import compiled_variants
 from .kernel_calls import device_guard, launch_elementwise, launch_fused, mix_seed
 from .policy import (LINEAR_PATHS, WS_MIN_ELEMENTS, TileConfig, auto_linear_path, default_slab_bytes, fused_config,
                      hopper_with_gluon, slab_rows, stored_bytes)
 
 __all__ = ["fused_linear_step", "slab_linear_step", "linear_step", "step", "ParamUpdate", "TileConfig", "mix_seed"]
-
-DEFAULT_SEED = 0
-DEFAULT_ROUNDING = "stochastic"
 
 
 class ParamUpdate:
@@ -136,7 +133,7 @@ class ParamUpdate:
 def _variant(spec, hypers: dict, step: int, state):
     """(the variant's update function, the states it reads, its host scalars, the new scalar state) of one step."""
     cfg = _resolved_hypers(spec, hypers)
-    host, update, names = compiled_module(spec).VARIANTS[cfg.variant]
+    host, update, names = compiled_variants(spec)[cfg.variant]
     check_step(step)
     missing = [s.name for s in spec.scalars if s.name not in state]
     if missing:
@@ -252,8 +249,8 @@ def _linear(spec, x, dy, weight, state, step, seed, rounding: str, tf32: bool, c
     """The one way into a fused layer update (`path` "fused", or "auto" which may take the slab path): a
     prepared launch where one exists for this metadata, else every check and the launch, remembered."""
     spec = load_spec(spec)
-    reuse = _reuse_key(spec, hypers, x, dy, weight, state, rounding, tf32, config)
-    if reuse is not None and _launch_prepared(reuse, x, dy, weight, state, step, seed, auto=path == "auto"):
+    reusable = _reuse_key(spec, hypers, x, dy, weight, state, rounding, tf32, config)
+    if reusable is not None and _launch_prepared(reusable, x, dy, weight, state, step, seed, auto=path == "auto"):
         return
     if path == "auto" and _auto_path(x, dy, weight, state) == "slab":
         slab_linear_step(spec, x, dy, weight, state, step=step, seed=seed, rounding=rounding, slab_bytes=slab_bytes,
@@ -264,8 +261,8 @@ def _linear(spec, x, dy, weight, state, step, seed, rounding: str, tf32: bool, c
     update = ParamUpdate(spec, weight, state, step=step, seed=seed, rounding=rounding, **hypers)
     launched = update._fused(x2, dy2, weight, update.states, update.key, tf32, config)
     update.commit()
-    if reuse is not None and launched is not None:
-        _prepare(reuse, update, *launched)
+    if reusable is not None and launched is not None:
+        _prepare(reusable, update, *launched)
 
 
 def _auto_path(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state) -> str:
@@ -281,15 +278,15 @@ def _reuse_key(spec, hypers: dict, x, dy, weight, state, rounding, tf32, config)
     (forge_dsl/kernels/reuse.py), or None: reuse off, not a Hopper GPU, a layer below the warp-specialized
     kernel's size under the default config, or keywords the checked path must refuse (it raises, in its own
     order)."""
-    if (not prepared.enabled() or not isinstance(weight, torch.Tensor) or not hopper_with_gluon(weight.device)
+    if (not reuse.enabled() or not isinstance(weight, torch.Tensor) or not hopper_with_gluon(weight.device)
             or (config is None and weight.numel() < WS_MIN_ELEMENTS)):
         return None
     try:
         resolved = _resolved_hypers(spec, hypers)
     except (ValueError, TypeError):
         return None
-    names = compiled_module(spec).VARIANTS[resolved.variant][2]
-    key = prepared.call_key(spec, resolved.variant, names, _scalar_names(spec), x, dy, weight, state, rounding, tf32,
+    names = compiled_variants(spec)[resolved.variant].states
+    key = reuse.call_key(spec, resolved.variant, names, _scalar_names(spec), x, dy, weight, state, rounding, tf32,
                             config)
     return None if key is None else (key, resolved, spec)
 
@@ -298,11 +295,11 @@ def _scalar_names(spec) -> tuple[str, ...]:
     return tuple(s.name for s in spec.scalars)
 
 
-def _launch_prepared(reuse: tuple, x, dy, weight, state, step, seed, auto: bool) -> bool:
-    """Launch the call prepared under `reuse`'s key; False where there is none, or where `linear_step(path=
+def _launch_prepared(reusable: tuple, x, dy, weight, state, step, seed, auto: bool) -> bool:
+    """Launch the call prepared under `reusable`'s key; False where there is none, or where `linear_step(path=
     "auto")` (`auto`) would not take the fused kernel for this metadata, or the entry cannot launch this step."""
-    key, resolved, spec = reuse
-    hit = prepared.lookup(key, spec)
+    key, resolved, spec = reusable
+    hit = reuse.lookup(key, spec)
     if hit is None:
         return False
     if auto:
@@ -320,20 +317,20 @@ def _launch_prepared(reuse: tuple, x, dy, weight, state, step, seed, auto: bool)
     return True
 
 
-def _prepare(reuse: tuple, update: ParamUpdate, cfg: TileConfig, launched: tuple) -> None:
-    """Remember a checked warp-specialized launch under `reuse`'s key for later calls with the same metadata."""
+def _prepare(reusable: tuple, update: ParamUpdate, cfg: TileConfig, launched: tuple) -> None:
+    """Remember a checked warp-specialized launch under `reusable`'s key for later calls with the same metadata."""
     from .gluon_lib import fused_ws
 
-    key, resolved, spec = reuse
+    key, resolved, spec = reusable
     compiled, args, kwargs, programs = launched
-    host = compiled_module(spec).VARIANTS[resolved.variant][0]
+    host = compiled_variants(spec)[resolved.variant].host
     try:
-        entry = prepared.PreparedLaunch(spec, host, update.names, update.state, _scalar_names(spec),
+        entry = reuse.PreparedLaunch(spec, host, update.names, update.state, _scalar_names(spec),
                                         fused_ws, compiled, args, kwargs, programs,
                                         ([cfg.block_t, cfg.block_k], [cfg.block_t, cfg.block_n]))
-    except prepared.NotReusable:  # every call of this layer stays checked
+    except reuse.NotReusable:  # every call of this layer stays checked
         return
-    prepared.remember(key, entry)
+    reuse.remember(key, entry)
 
 
 def slab_linear_step(

@@ -37,6 +37,7 @@ import torch
 
 from ..spec import ir
 from ..api import state_layout
+from ..kernels.checks import ROUNDINGS
 from ..spec.keywords import check_seed, resolve_hypers
 from ..kernels.layouts import (FOUR_BIT_LAYOUTS, SCALE_DTYPES, StateLayout, is_quantized, layout_of, n_blocks,
                                resolve_layout, rows_cols, storage_dtype, storage_shape)
@@ -49,15 +50,6 @@ __all__ = ["META_KEY", "FORMAT", "metadata", "check_state_dict", "Loaded", "spec
 META_KEY = "_forge"
 FORMAT = 1  # raised when what a state dict holds changes meaning
 
-_ROUNDINGS = ("stochastic", "nearest")
-_LAYOUT_WORDS = {
-    StateLayout.FP32: "fp32",
-    StateLayout.BF16: "bf16",
-    StateLayout.INT8: "int8",
-    StateLayout.UINT8_SQRT: "uint8 (sqrt map)",
-    StateLayout.INT4: "int4",
-    StateLayout.UINT4: "uint4 (no-zero map)",
-}
 
 
 _SCALE_WORDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -180,9 +172,9 @@ def _find_metadata(spec: ir.Spec, state_dict: Mapping[str, Any], saved_groups: S
             f"you changed the spec on purpose and its states keep their meaning, delete 'spec_hash' from each param "
             f"group's '{META_KEY}' entry before loading"
         )
-    if meta["rounding"] not in _ROUNDINGS:
+    if meta["rounding"] not in ROUNDINGS:
         raise ValueError(f"state_dict's FORGE metadata has rounding {meta['rounding']!r}; expected one of "
-                         f"{_ROUNDINGS}")
+                         f"{ROUNDINGS}")
     try:
         meta["seed"] = check_seed(meta["seed"], "state_dict's FORGE metadata seed")
     except TypeError as err:
@@ -262,12 +254,12 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
         expected.add(s.name)
         if is_quantized(layout):
             if scale_name not in values:
-                raise ValueError(f"state_dict's {_BITS[layout]} '{s.name}' of {label} has no '{scale_name}' (its block "
+                raise ValueError(f"state_dict's {layout.layout_name} '{s.name}' of {label} has no '{scale_name}' (its block "
                                  "scales): the codes cannot be read without them")
             scale = _tensor(values[scale_name], f"'{scale_name}' of {label}")
             if scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != (rows, n_blocks(cols)):
                 raise ValueError(f"state_dict's '{scale_name}' of {label} is {scale.dtype} of shape "
-                                 f"{tuple(scale.shape)}; {_BITS[layout]} '{s.name}' needs float32 or bfloat16 of shape "
+                                 f"{tuple(scale.shape)}; {layout.layout_name} '{s.name}' needs float32 or bfloat16 of shape "
                                  f"({rows}, {n_blocks(cols)}) (one scale per 64 elements of a row)")
             out[scale_name] = scale.to(p.device, copy=True)
             expected.add(scale_name)
@@ -299,20 +291,10 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
     return out
 
 
-_BITS = {StateLayout.INT8: "int8", StateLayout.UINT8_SQRT: "int8", StateLayout.INT4: "int4", StateLayout.UINT4: "int4"}
-_CODE_WORDS = {
-    StateLayout.INT8: "int8 codes",
-    StateLayout.UINT8_SQRT: "uint8 codes (the sqrt map of a nonneg state)",
-    StateLayout.INT4: "int8 bytes of two int4 codes each",
-    StateLayout.UINT4: "uint8 bytes of two int4 codes each (the no-zero map of a nonneg state)",
-}
-
-
 def _storage_words(layout: StateLayout, scale_name: str, rows: int, cols: int) -> str:
     if is_quantized(layout):
-        codes = _CODE_WORDS[layout]
-        return f"{codes} with a float32 or bfloat16 '{scale_name}' of shape ({rows}, {n_blocks(cols)})"
-    return str(storage_dtype(layout))
+        return f"{layout.storage_words} with a float32 or bfloat16 '{scale_name}' of shape ({rows}, {n_blocks(cols)})"
+    return layout.storage_words
 
 
 def _tensor(value: Any, what: str) -> torch.Tensor:
@@ -348,7 +330,8 @@ def held_layouts(spec: ir.Spec, states: Iterable[Mapping[str, Any]]) -> Optional
             if isinstance(t, torch.Tensor):
                 scale = state.get(f"{s.name}.scale")
                 scale = scale if isinstance(scale, torch.Tensor) else None
-                word = _LAYOUT_WORDS.get(layout_of(t, scale=scale), str(t.dtype))
+                layout = layout_of(t, scale=scale)
+                word = layout.words if layout is not None else str(t.dtype)
                 if scale is not None and scale.dtype in _SCALE_WORDS:  # "int8 (bf16 scales)", "uint4 (..., bf16 ...)"
                     scales = f"{_SCALE_WORDS[scale.dtype]} scales"
                     word = f"{word[:-1]}, {scales})" if word.endswith(")") else f"{word} ({scales})"

@@ -61,6 +61,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 
 from ..spec.keywords import check_seed, resolve_hypers
+from ..kernels.checks import DEFAULT_ROUNDING, DEFAULT_SEED, check_rounding
 from ..kernels.foreach import FOREACH_MAX_ELEMENTS, shared_launch_key
 from ..kernels.policy import LINEAR_PATHS, interpreting
 from ..spec.loading import SpecLike, load_spec
@@ -117,8 +118,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         *,
         model_params: Optional[Iterable] = None,
         state_dtype: Union[str, Mapping[str, str]] = "fp32",
-        rounding: str = "stochastic",
-        seed: int = 0,
+        rounding: str = DEFAULT_ROUNDING,
+        seed: int = DEFAULT_SEED,
         fuse: bool = True,
         linear_path: str = "auto",
         foreach: bool = True,
@@ -154,8 +155,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.foreach = bool(foreach)
         if "max_grad_norm" in hypers:
             raise ValueError("ForgeOptimizer does not offer max_grad_norm: " + CLIP_MESSAGE)
-        if rounding not in ("stochastic", "nearest"):
-            raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+        check_rounding(rounding)
         self.spec = load_spec(spec)
         resolve_hypers(self.spec, hypers, caller="ForgeOptimizer")  # unknown keywords, ranges: raise now
         defaults = dict(self.spec.keyword_defaults())

@@ -22,6 +22,7 @@ from typing import Any, MutableMapping, Optional, Protocol
 
 import torch
 
+from ..kernels.checks import DEFAULT_ROUNDING, DEFAULT_SEED
 from ..spec.loading import SpecLike
 
 __all__ = ["RowSink", "AutogradRows", "ParamUpdateRows"]
@@ -58,7 +59,7 @@ class ParamUpdateRows:
     modules. Each `begin` starts the next step (1, 2, ...)."""
 
     def __init__(self, spec: SpecLike, weight: torch.Tensor, state: MutableMapping[str, torch.Tensor], *,
-                 seed: int = 0, rounding: str = "stochastic", **hypers: Any) -> None:
+                 seed: int = DEFAULT_SEED, rounding: str = DEFAULT_ROUNDING, **hypers: Any) -> None:
         self.spec, self.weight, self.state = spec, weight, state
         self.seed, self.rounding, self.hypers = seed, rounding, hypers
         self.steps = 0

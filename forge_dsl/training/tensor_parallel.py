@@ -279,8 +279,8 @@ def global_layouts(spec, p: torch.Tensor, state_dtype) -> dict[str, StateLayout]
 def state_layouts(spec, p: torch.Tensor, state_dtype) -> dict:
     """`init_state`'s `layout` argument for the local shard of DTensor `p`: `global_layouts` (a shard narrower
     than a block would otherwise stay fp32 where one process quantizes)."""
-    names = {StateLayout.FP32: "fp32", StateLayout.BF16: "bf16"}
-    return {name: names.get(layout, layout) for name, layout in global_layouts(spec, p, state_dtype).items()}
+    return {name: layout if is_quantized(layout) else layout.layout_name
+            for name, layout in global_layouts(spec, p, state_dtype).items()}
 
 
 def _scale_placements(p: torch.Tensor) -> tuple:
