@@ -10,8 +10,8 @@ limit=${TIER_TIMEOUT:-540}
 start=$(date +%s)
 timeout "$limit" python3 -m pytest -q -m gpu -n "${TIER_WORKERS:-6}" -p no:cacheprovider > "$OUT/gpu-tier.log" 2>&1 &
 tier=$!
-timeout "$limit" python3 -m pytest -q -n 3 -p no:cacheprovider ${COMPILED_TESTS:-tests/test_numerics.py \
-    tests/test_variants.py tests/test_idioms.py} > "$OUT/compiled-tests.log" 2>&1 &
+timeout "$limit" python3 -m pytest -q -n 3 -p no:cacheprovider ${COMPILED_TESTS:-tests/kernels/test_numerics.py \
+    tests/spec/test_variants.py tests/kernels/test_idioms.py} > "$OUT/compiled-tests.log" 2>&1 &
 compiled=$!
 # forge-test in two processes (each compiles its specs' kernels; the machine has CPUs to spare)
 timeout "$limit" forge-test ${FORGE_TEST_A:-adagrad adamw lion nadam} --device cuda ${FORGE_TEST_ARGS:---quick} \

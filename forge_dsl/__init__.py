@@ -16,26 +16,57 @@ The package's layers, each importing only those above it (docs/ARCHITECTURE.md):
     training/   ForgeOptimizer and what it installs on a model
     testing/, bench/   forge-test and forge-bench
 
+The names below are imported on first use, so the language and the compiler (`forge-gen`) run without torch.
 Module paths of forge_dsl 0.1 (`forge_dsl.codegen`, `forge_dsl.kernels.launch`, ...) still import, with a
 DeprecationWarning, for one release (`forge_dsl.aliases`).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from . import aliases
 
 aliases.install()
 
-from .api import builtin_names, init_state, load_spec  # noqa: E402
-from .reference import reference_step  # noqa: E402
-from .spec.errors import SpecError  # noqa: E402
-from .spec.ir import Spec  # noqa: E402
-from .training.offload import OffloadActivations  # noqa: E402
-from .training.optimizer import ForgeOptimizer, fuse  # noqa: E402
-
 __all__ = ["ForgeOptimizer", "OffloadActivations", "SpecError", "fuse", "Spec", "builtin_names", "init_state",
            "load_spec", "reference_step"]
 __version__ = "0.1.0"
 
+# Each public name and the module that defines it.
+_PUBLIC = {
+    "ForgeOptimizer": "forge_dsl.training.optimizer",
+    "fuse": "forge_dsl.training.installer",
+    "OffloadActivations": "forge_dsl.training.offload",
+    "SpecError": "forge_dsl.spec.errors",
+    "Spec": "forge_dsl.spec.ir",
+    "builtin_names": "forge_dsl.spec.loading",
+    "load_spec": "forge_dsl.spec.loading",
+    "init_state": "forge_dsl.api",
+    "reference_step": "forge_dsl.reference",
+}
+
+if TYPE_CHECKING:
+    from .api import init_state
+    from .reference import reference_step
+    from .spec.errors import SpecError
+    from .spec.ir import Spec
+    from .spec.loading import builtin_names, load_spec
+    from .training.installer import fuse
+    from .training.offload import OffloadActivations
+    from .training.optimizer import ForgeOptimizer
+
 
 def __getattr__(name: str):
-    """`forge_dsl.codegen` and the other 0.1 module paths, as attributes (`aliases.attribute`)."""
-    return aliases.attribute(__name__, name)
+    """A public name (imported on first use and kept), or a 0.1 module path (`aliases.attribute`)."""
+    home = _PUBLIC.get(name)
+    if home is None:
+        return aliases.attribute(__name__, name)
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

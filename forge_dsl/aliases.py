@@ -46,6 +46,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "forge_dsl.kernels.launch": ("forge_dsl.kernels.steps",),
     "forge_dsl.kernels.launches": ("forge_dsl.kernels.kernel_calls",),
     "forge_dsl.kernels.prepared": ("forge_dsl.kernels.reuse",),
+    "forge_dsl.kernels.sm90": ("forge_dsl.bench.sm90",),
     "forge_dsl.kernels.triton_lib": ("forge_dsl.kernels.tile_lib", "forge_dsl.kernels.state_lib",
                                      "forge_dsl.kernels.math_lib"),
     # training (forge_dsl.training)
@@ -98,7 +99,9 @@ class _SplitModule(types.ModuleType):
 class _AliasLoader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         old = spec.name
-        warnings.warn(f"{old} moved to {' and '.join(ALIASES[old])}; the old path goes in the next release",
+        homes = ALIASES[old]
+        where = homes[0] if len(homes) == 1 else f"{', '.join(homes[:-1])} and {homes[-1]}"
+        warnings.warn(f"{old} moved to {where}; the old path goes in the next release",
                       DeprecationWarning, stacklevel=2)
         if _moved_whole(old):
             module = importlib.import_module(ALIASES[old][0])

@@ -1,8 +1,17 @@
-"""Test setup: run Triton kernels in the interpreter when there is no CUDA device."""
+"""Test setup: run Triton kernels in the interpreter when there is no CUDA device; the shared helpers import.
+
+The tests sit in the package's rooms (tests/spec, compiler, kernels, training, tools, architecture);
+tests/helpers holds the modules they share (`training_models`, `references`, `fuzz_kernels`, `tp_checks`,
+`repo`), importable by name from any test.
+"""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 try:
     import torch

@@ -14,7 +14,7 @@ back: a handful of launches whatever the list's length. Measured (docs/PERF.md v
 Exactness: the update is element-wise, so every element gets the update `step` would give it
 on its own parameter. With `rounding="nearest"` the results are the same bits in the Triton
 interpreter; on the GPU the flat launch runs another specialization of the compiled kernel, which
-may contract another `a * b + c` into an FMA (a unit in the last place; tests/test_foreach.py).
+may contract another `a * b + c` into an FMA (a unit in the last place; tests/kernels/test_foreach.py).
 Two more things make it hold or bound it:
   * int8 and int4 states are quantized in blocks of 64 consecutive elements of a row
     (`forge_dsl.kernels.layouts`); the flat buffer's blocks (and int4's bytes of two codes) are the

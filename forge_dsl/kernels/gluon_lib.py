@@ -21,7 +21,7 @@ mma partition's registers and in `acc_smem`, never in global memory.
 
 Each `mbarrier.arrive` below is made by one thread for its whole partition; the compiler puts a barrier
 of the partition's warps in front of it (`bar.sync <id>, <threads>` in the PTX of Triton 3.6, checked
-with `python -m forge_dsl.kernels.sm90`), so every warp's reads of a buffer are done before it is
+with `python -m forge_dsl.bench.sm90`), so every warp's reads of a buffer are done before it is
 handed back.
 
 Gluon is Triton's lower-level dialect (`triton.experimental.gluon`, Triton ≥ 3.6 here). It has no

@@ -23,7 +23,7 @@ kernels by their `exports_signature`. An entry holds no tensor, so it keeps no w
 alive.
 
 Only for Triton versions in `VERIFIED_TRITON`, where the GPU tests check that this path writes the same
-bits as `JITFunction.run` (tests/test_kernels.py, `test_reused_launch_writes_the_checked_bits`); never
+bits as `JITFunction.run` (tests/kernels/test_kernels.py, `test_reused_launch_writes_the_checked_bits`); never
 while a launch hook (a profiler), Triton's debug mode or its instrumentation is on, or a pre-run hook is
 set on the kernel: then every call takes the checked path.
 """

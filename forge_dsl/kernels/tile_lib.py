@@ -108,7 +108,7 @@ def fp32_to_bf16_bits_rne(x):
     Compiled: the hardware conversion (`cvt.rn.bf16x2.f32`, one instruction per two elements; NaN
     gives the canonical 0x7FFF). Interpreted: the same result on integer bits, since the interpreter
     truncates. Both equal `forge_dsl.kernels.layouts.bf16_round_nearest_bits` bit for bit
-    (tests/test_triton_lib.py, every rounding case and special value). The integer form costs about
+    (tests/kernels/test_kernel_libs.py, every rounding case and special value). The integer form costs about
     6 instructions per element, which made the two bf16 states of AdamW a sixth of the warp-specialized
     epilogue's instructions (docs/PERF.md v11b).
     """
@@ -344,7 +344,7 @@ def store_weight(ptr, value, offs, mask, seed, W_BF16: tl.constexpr, STOCHASTIC:
     caller mixes (user seed, step) into it; the random bits of element `offs`
     depend only on (seed, offs) (`random16`). Interpreter and GPU give the same
     bits for seeds 0, 1, 7, 2**31 - 1, 2**31 + 3, 2**40 + 12345 and 2**63 - 1
-    (tests/test_triton_lib.py). Triton types an int argument by its value (i32
+    (tests/kernels/test_kernel_libs.py). Triton types an int argument by its value (i32
     below 2**31, then u32 / i64) and specializes values equal to 1 or divisible
     by 16, so a seed that changes every step should stay in one range (e.g.
     [0, 2**31)) and be listed in the kernel's `do_not_specialize`, or the kernel

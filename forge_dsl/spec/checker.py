@@ -80,7 +80,7 @@ _COLLIDING_NAMES = frozenset(
 # The named parameters of the Python API's entry points (kernels.fused_linear_step, slab_linear_step,
 # linear_step, step, kernels.foreach, init_state, reference_step, ForgeOptimizer), which take the
 # spec's keywords as **hypers: a hyperparameter or flag of the same name would be taken by the API.
-# tests/test_reserved_names.py keeps this in step with their signatures.
+# tests/spec/test_reserved_names.py keeps this in step with their signatures.
 API_KEYWORDS = frozenset({
     "spec", "param", "grad", "step", "state", "states", "params", "grads", "weight", "x", "dy", "model",
     "seed", "rounding", "layout", "state_dtype", "fuse", "foreach", "linear_path", "path", "tf32", "config",

@@ -4,7 +4,7 @@
     >>> report = check_spec_kernels("my_opt.fopt", quick=True)
     >>> report.ok, print(report.table()), report.reproducer
 
-`bounds` holds the per-layout tolerances (also used by tests/test_kernels.py) and the update's, `problems` the drawn
+`bounds` holds the per-layout tolerances (also used by tests/kernels/test_kernels.py) and the update's, `problems` the drawn
 hyperparameters, flag combinations and random layers, `cases` one check (`Case`, `run_case`), `sweep`
 which cases a spec gets and the report, `cli` the console script.
 """

@@ -1,6 +1,6 @@
 """How far a kernel's result may be from the float64 reference step, per layout.
 
-Each bound follows from what the kernel rounds (tests/test_kernels.py's module docstring):
+Each bound follows from what the kernel rounds (tests/kernels/test_kernels.py's module docstring):
   * fp32 weights and fp32 state: only fp32 arithmetic differs; relative error (‖a − b‖ / ‖b‖) at most
     `FP32_REL_TOL` over several steps without re-synchronising (`rel_err`).
   * quantized layouts and bf16 weights: one step at a time from the kernel's own previous (dequantized)

@@ -25,7 +25,7 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "HeadHandle", "check_installable", "install"
 SUPPORTED_MODEL_TYPES = frozenset({"gemma", "glm", "helium", "llama", "ministral", "mistral", "olmo2", "phi3",
                                    "qwen2", "qwen3", "smollm3", "starcoder2"})
 """Model types whose CausalLM forward is `logits = lm_head(hidden)` then `loss_function(logits, labels, ...)`
-with nothing between (tests/test_fused_head.py checks each against its own forward)."""
+with nothing between (tests/training/test_head_loss.py checks each against its own forward)."""
 
 _LOGIT_CHANGES = {
     "final_logit_softcapping": "soft-caps the logits (tanh)",

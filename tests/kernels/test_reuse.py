@@ -1,0 +1,314 @@
+"""Reused warp-specialized launches (forge_dsl/kernels/reuse.py) on the CPU.
+
+Gluon has no interpreter, so here Triton's `JITFunction.run` and the compiled kernel's launcher are
+replaced by recorders: every test compares the arguments a reused launch hands the launcher with the
+ones `JITFunction.run` binds for the same call on the checked path (every parameter in order,
+constexprs included), for every spec and state layout. On the GPU the same path runs for real in
+test_kernels.py's warp-specialized tests (steps 2 and 3 of each reuse step 1's launch) and in
+test_reused_launch_writes_the_checked_bits.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import forge_dsl
+from forge_dsl import kernels
+from forge_dsl.kernels import gluon_lib, steps as launch, policy, reuse as prepared
+
+# The recorders stand in for Triton on CPU tensors, so these tests run where the interpreter does (CI);
+# on a GPU machine test_kernels.py's warp-specialized and reused-launch tests run the same path for real.
+pytestmark = pytest.mark.skipif(not policy.interpreting(), reason="recorder tests of the interpreter's tier: on a "
+                                "GPU, tests/kernels/test_kernels.py runs reused launches for real")
+
+N, K, T = 72, 136, 40
+WS_CONFIG = kernels.TileConfig(32, 128, 128, num_warps=4, num_stages=2, tma=True, epilogue_split=4, mma_warps=4)
+HYPERS = {"sgd_momentum": {"momentum": 0.9}, "lion": {"lr": 1e-3}}
+LAYOUTS = ("fp32", "bf16", "int8")
+
+
+def _value(v):
+    """A launch argument as the launcher sees it: a tensor by its address, a descriptor by what it encodes."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.data_ptr())
+    if isinstance(v, tuple) and v[:1] != ("descriptor",):  # STATES, SCALES, HOST
+        return tuple(_value(item) for item in v)
+    return v
+
+
+class _Recorder:
+    """Stands in for Triton: `run` records what JITFunction.run would bind, the launcher what it is given."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, tuple]] = []
+
+    def jit_run(self, fn, args, kwargs):
+        grid = kwargs.pop("grid")
+        # what Triton's binder does: the Python signature's binding, every parameter in order
+        bound = inspect.signature(fn.fn).bind(*args, **kwargs).arguments.values()
+        self.calls.append(("run", (grid[0],) + tuple(_value(v) for v in bound)))
+        recorder = self
+
+        class Compiled:
+            function, packed_metadata = "function", "packed metadata"
+
+            @staticmethod
+            def run(g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter, exit_, *launch_args):
+                assert (g1, g2, function, packed_metadata, enter, exit_) == (1, 1, "function", "packed metadata",
+                                                                              None, None)
+                recorder.calls.append(("launcher", (g0,) + tuple(_value(v) for v in launch_args)))
+
+        return Compiled()
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(prepared, "_SUPPORTED", True)
+    monkeypatch.setattr(prepared, "_ENTRIES", {})
+    monkeypatch.setattr(prepared, "current_stream", lambda device: 0)
+    monkeypatch.setattr(launch, "check_warp_specialized", lambda *args: None)
+    monkeypatch.setattr(launch, "hopper_with_gluon", lambda device: True)
+    monkeypatch.setattr(policy, "hopper_with_gluon", lambda device: True)
+    monkeypatch.setattr(gluon_lib, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gluon_lib, "descriptor",
+                        lambda t, block: ("descriptor", t.data_ptr(), tuple(t.shape), t.stride(), tuple(block)))
+    fused_ws = _fused_ws()
+    monkeypatch.setattr(type(fused_ws), "run", lambda self, *args, grid, warmup, **kwargs: rec.jit_run(
+        self, args, {**{k: v for k, v in kwargs.items() if k not in ("num_warps", "maxnreg")}, "grid": grid}))
+    return rec
+
+
+def _fused_ws():
+    if gluon_lib.fused_ws is None:
+        pytest.skip("this Triton has no Gluon")
+    return gluon_lib.fused_ws
+
+
+def _problem(w_dtype, layout, name, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=gen).to(w_dtype)
+    state = forge_dsl.init_state(name, w, layout=layout, **_hypers(name))
+    return w, state
+
+
+def _activations(step, tokens=T):
+    gen = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(tokens, K, generator=gen).to(torch.bfloat16),
+            torch.randn(tokens, N, generator=gen).to(torch.bfloat16))
+
+
+def _hypers(name):
+    return {"lr": 1e-2, **HYPERS.get(name, {})}
+
+
+def _scalars(state):
+    return {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["w_bf16", "w_fp32"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", forge_dsl.builtin_names())
+@pytest.mark.parametrize("entry", ["fused_linear_step", "linear_step"])
+def test_reused_launch_passes_what_the_checked_path_binds(recorder, monkeypatch, name, layout, w_dtype, entry):
+    """Steps 2–8 (fresh activations, another seed, the step's host scalars) reuse step 1's launch: the
+    launcher gets exactly the arguments the checked path binds for that call, and the scalar state (NAdam's
+    mu_product) ends where the checked path leaves it. Where the host scalars change kind (an int flag that
+    Triton specializes on 1: SGD-momentum's first step, RAdam's rectification from step 6), the checked path
+    runs once and its kernel is kept beside the first."""
+    spec = forge_dsl.load_spec(name)
+    call = getattr(kernels, entry)
+    w, state = _problem(w_dtype, layout, name)
+    seen = set()
+    for step in range(1, 9):
+        x, dy = _activations(step)
+        exports = launch.ParamUpdate(spec, w, state, step=step, **_hypers(name)).exports
+        new_kind = prepared.exports_signature(exports) not in seen
+        seen.add(prepared.exports_signature(exports))
+        before = _scalars(state)
+        call(spec, x, dy, w, state, step=step, seed=step * 7, config=WS_CONFIG, **_hypers(name))
+        reused = recorder.calls.pop()
+        after = _scalars(state)
+        state.update(before)
+        monkeypatch.setattr(prepared, "_SUPPORTED", False)
+        call(spec, x, dy, w, state, step=step, seed=step * 7, config=WS_CONFIG, **_hypers(name))
+        monkeypatch.setattr(prepared, "_SUPPORTED", True)
+        checked = recorder.calls.pop()
+        assert checked[0] == "run"
+        assert reused[0] == ("run" if new_kind else "launcher"), f"step {step}"
+        assert reused[1] == checked[1], f"step {step}: the reused launch's arguments differ from the checked path's"
+        assert all(torch.equal(after[k], state[k]) for k in after), f"step {step}: scalar state differs"
+    assert prepared.entries() == 1
+    if name in ("radam", "sgd_momentum"):
+        assert len(seen) == 2
+
+
+def test_changed_metadata_takes_the_checked_path(recorder):
+    """Anything the checks, the config or Triton's specialization read makes a new key: token count, the start
+    address modulo 16, a state replaced by another layout, keywords (values and types), rounding, the config;
+    the checked path then runs (and raises where it must)."""
+    spec = forge_dsl.load_spec("adamw")
+    w, state = _problem(torch.bfloat16, "bf16", "adamw")
+    x, dy = _activations(1)
+
+    def kinds(**changes):
+        args = dict(x=x, dy=dy, state=state, step=2, lr=1e-2, rounding="stochastic", config=WS_CONFIG)
+        args.update(changes)
+        kernels.fused_linear_step(spec, args.pop("x"), args.pop("dy"), w, args.pop("state"), **args)
+        return recorder.calls.pop()[0] if recorder.calls else None  # None: not the warp-specialized kernel
+
+    assert kinds(step=1) == "run"
+    assert kinds() == "launcher"
+    assert kinds(x=_activations(2)[0], dy=_activations(2)[1]) == "launcher"
+    x48, dy48 = _activations(3, tokens=48)
+    assert kinds(x=x48, dy=dy48) == "run"
+    flat = torch.empty(T * K + 1, dtype=torch.bfloat16)
+    shifted = flat[1:].view(T, K).copy_(x)  # 2 bytes past a 16-byte boundary
+    assert kinds(x=shifted) == "run"
+    assert kinds(lr=2e-2) == "launcher"  # a schedule's next value: the same variant, reused
+    assert kinds(maximize=True) == "run"  # another variant
+    assert kinds(rounding="nearest") == "run"
+    assert kinds(config=None) is None  # the CPU's default config: the Triton kernel, in the interpreter
+    fp32_state = forge_dsl.init_state(spec, w, layout="fp32")
+    assert kinds(state=fp32_state) == "run"
+    int8_state = forge_dsl.init_state(spec, w, layout="int8")  # bf16 block scales
+    assert kinds(state=int8_state) == "run"
+    assert kinds(state=int8_state) == "launcher"
+    fp32_scales = {k: (v.float() if k.endswith(".scale") else v) for k, v in int8_state.items()}  # an old checkpoint's
+    assert kinds(state=fp32_scales) == "run"  # the scales' dtype is part of the key: a kernel of its own
+    assert kinds(state=fp32_scales) == "launcher"
+    with pytest.raises(ValueError, match="step must be a positive integer"):
+        kinds(step=0)
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        kinds(rounding="up")
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        kinds(rounding=["nearest"])  # unhashable: no key, the checked path's error
+    with pytest.raises(ValueError, match="lr"):
+        kinds(lr=-1.0)  # refused on every call, reused or not
+    del state["exp_avg"]
+    with pytest.raises(ValueError, match="state has no 'exp_avg'"):
+        kinds()
+
+
+def test_prepared_launches_keep_no_tensor_alive(recorder):
+    """An entry holds no weight, state or activation (nor a view or descriptor of one): a deleted model's
+    memory is freed even while its launches stay prepared."""
+    spec = forge_dsl.load_spec("adamw")
+    for layout in LAYOUTS:
+        w, state = _problem(torch.bfloat16, layout, "adamw")
+        x, dy = _activations(1)
+        for step in (1, 2):
+            kernels.fused_linear_step(spec, x, dy, w, state, step=step, config=WS_CONFIG, lr=1e-2)
+        assert recorder.calls[-1][0] == "launcher"
+    held, seen = [], set()
+
+    def walk(obj, depth=0):
+        if id(obj) in seen or depth > 6:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor) or (isinstance(obj, tuple) and obj[:1] == ("descriptor",)):
+            held.append(obj)
+        elif isinstance(obj, (list, tuple, set)):
+            for item in obj:
+                walk(item, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item, depth + 1)
+        elif isinstance(obj, prepared.PreparedLaunch):
+            walk(vars(obj), depth + 1)
+
+    walk(prepared._ENTRIES)
+    assert prepared.entries() == len(LAYOUTS) and not held
+
+
+def test_reuse_is_off_for_unverified_triton_and_with_launch_hooks(monkeypatch):
+    """`enabled`: only Triton versions the GPU tests checked, and never while a profiler's launch hook is set."""
+    import triton
+    from triton import knobs
+
+    monkeypatch.setattr(prepared, "_SUPPORTED", None)
+    assert prepared.enabled() == triton.__version__.startswith(prepared.VERIFIED_TRITON)
+    monkeypatch.setattr(prepared, "_SUPPORTED", True)
+    assert prepared.enabled()
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # a chain of hooks (Triton ≥ 3.5)
+        hook.add(print)
+        try:
+            assert not prepared.enabled()
+        finally:
+            hook.remove(print)
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", print)
+        assert not prepared.enabled()
+    assert prepared.enabled()
+
+
+def test_a_learning_rate_schedule_and_alternating_layers_reuse_their_launches(recorder, monkeypatch):
+    """A learning rate that changes every step (a scheduler) and two layers of different state layouts
+    under the same keywords, alternating: after each layer's first call every launch is reused, with the
+    arguments the checked path binds (the new rate's host scalars among them), and one entry per layer."""
+    spec = forge_dsl.load_spec("adamw")
+    layers = [_problem(torch.bfloat16, "int8", "adamw", seed=1), _problem(torch.bfloat16, "bf16", "adamw", seed=2)]
+    for step in range(1, 6):
+        lr = 1e-2 * 0.5 ** step
+        for w, state in layers:
+            x, dy = _activations(step)
+            kernels.linear_step(spec, x, dy, w, state, step=step, lr=lr, config=WS_CONFIG)
+            reused = recorder.calls.pop()
+            monkeypatch.setattr(prepared, "_SUPPORTED", False)
+            kernels.linear_step(spec, x, dy, w, state, step=step, lr=lr, config=WS_CONFIG)
+            monkeypatch.setattr(prepared, "_SUPPORTED", True)
+            checked = recorder.calls.pop()
+            assert reused == (("run" if step == 1 else "launcher"), checked[1]), f"step {step}"
+    assert prepared.entries() == 2
+
+
+def test_auto_path_away_from_the_fused_kernel_is_not_reused(recorder, monkeypatch):
+    """A prepared launch serves `linear_step(path="auto")` only where auto picks the fused kernel for that
+    metadata; where it picks the slab path, the slab path runs."""
+    spec = forge_dsl.load_spec("adamw")
+    w, state = _problem(torch.bfloat16, "bf16", "adamw")
+    x, dy = _activations(1)
+    kernels.linear_step(spec, x, dy, w, state, step=1, lr=1e-2, config=WS_CONFIG, path="fused")
+    slabs = []
+    monkeypatch.setattr(launch, "_auto_path", lambda *args: "slab")
+    monkeypatch.setattr(launch, "slab_linear_step", lambda *args, **kwargs: slabs.append(kwargs["step"]))
+    kernels.linear_step(spec, x, dy, w, state, step=2, lr=1e-2, config=WS_CONFIG)
+    assert slabs == [2] and [kind for kind, _ in recorder.calls] == ["run"]
+    kernels.linear_step(spec, x, dy, w, state, step=3, lr=1e-2, config=WS_CONFIG, path="fused")
+    assert recorder.calls[-1][0] == "launcher"
+
+
+def test_reuse_is_off_with_triton_debug_or_instrumentation(monkeypatch):
+    """`JITFunction.run` compiles another kernel under Triton's debug mode or instrumentation: no reuse then."""
+    from triton import knobs
+
+    monkeypatch.setattr(prepared, "_SUPPORTED", True)
+    assert prepared.enabled()
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    assert not prepared.enabled()
+    monkeypatch.setattr(knobs.runtime, "debug", False)
+    monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "consan")
+    assert not prepared.enabled()
+
+
+def test_a_runtime_flag_switching_between_steps_reuses_one_entry(recorder, monkeypatch):
+    """adamw's maximize is a runtime flag (`variants.runtime_flags`): one compiled variant and one prepared
+    entry serve both values. Its host value is an int that Triton specializes on 1, so the first step with
+    each value takes the checked path (and its kernel is kept), every later one is reused with the
+    arguments the checked path binds, h_maximize among them."""
+    spec = forge_dsl.load_spec("adamw")
+    w, state = _problem(torch.bfloat16, "bf16", "adamw", seed=3)
+    for step, maximize in enumerate((False, True, False, True, True, False), 1):
+        x, dy = _activations(step)
+        kernels.linear_step(spec, x, dy, w, state, step=step, lr=1e-2, maximize=maximize, config=WS_CONFIG)
+        reused = recorder.calls.pop()
+        monkeypatch.setattr(prepared, "_SUPPORTED", False)
+        kernels.linear_step(spec, x, dy, w, state, step=step, lr=1e-2, maximize=maximize, config=WS_CONFIG)
+        monkeypatch.setattr(prepared, "_SUPPORTED", True)
+        checked = recorder.calls.pop()
+        assert reused == (("run" if step <= 2 else "launcher"), checked[1]), f"step {step}"
+    assert prepared.entries() == 1

@@ -1,0 +1,233 @@
+"""Front-end cases that load (so the error corpus cannot hold them) or that need more than a message.
+
+The `nonneg` interval proof (sound with NaN, and the moving averages it knows),
+long chains of temporaries, strings, and the IR of the idioms: states that
+start from the weights, exact states, optional hyperparameters.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+
+from forge_dsl.spec import ir
+from forge_dsl.spec.checker import check_spec
+from forge_dsl.spec.keywords import resolve_hypers
+from forge_dsl.spec.errors import SpecError
+from forge_dsl.compiler.lowering import lower_all
+from forge_dsl.spec.parser import parse_spec
+
+
+def load(text: str) -> ir.Spec:
+    return check_spec(parse_spec(text, "t.fopt"))
+
+
+def nonneg_spec(value: str, decls: str = "") -> str:
+    uses = "".join(f" * {line.split()[1]}" for line in decls.split("\n") if line.startswith("hyper"))
+    return (f"optimizer t\nhyper lr = 1e-3 in [0, inf)\n{decls}\nstate v = 0 nonneg\n"
+            f"update {{\n    v = {value}\n    param = param - lr * grad * v{uses}\n}}\n")
+
+
+# -- the nonneg proof: NaN, zeros, infinities --------------------------------
+
+UNSOUND = [
+    "min(grad + inf, -1)",          # inf + -inf is NaN in bound arithmetic
+    "min(-1, grad + inf)",          # ... whichever side it is on
+    "max(sqrt(grad), -1)",          # sqrt(<0) is NaN, and fmax(NaN, -1) is -1
+    "clamp(sqrt(grad), -1, 2)",
+    "1 / (grad * 0)",               # grad * 0 may be -0.0: 1 / -0.0 is -inf
+    "1 / -0",
+    "rsqrt(-0)",                    # rsqrt(-0.0) is -inf
+    "rsqrt(v)",
+    "(-0) ** -1",                   # (-0.0) ** -1 is -inf
+    "v ** -1",
+    "v ** grad",
+    "grad ** 3",
+    "(inf * grad) * 0 - 1",
+    "log(v)",
+    "sign(v) - 0.5",
+    "exp(grad) - 1e-300",
+]
+
+
+@pytest.mark.parametrize("value", UNSOUND)
+def test_nonneg_is_refused_where_a_value_can_be_negative(value):
+    with pytest.raises(SpecError, match="declared nonneg, but this value can be negative"):
+        load(nonneg_spec(value))
+
+
+SOUND = [
+    "grad * grad",
+    "v + grad ** 2",
+    "(grad - v) ** -2",
+    "max(grad, 0)",
+    "max(sqrt(grad), 0)",
+    "exp(grad)",
+    "abs(grad) / (v + 1)",
+    "sqrt(v) * 2",
+    "min(v, abs(grad))",
+    "where(grad > 0, v, grad * grad)",
+]
+
+
+@pytest.mark.parametrize("value", SOUND)
+def test_nonneg_is_proven(value):
+    load(nonneg_spec(value))
+
+
+BETA = "hyper b = 0.99 in [0, 1)\nhyper c = 0.5 in [0, 1]"
+AVERAGES = [
+    "v + (1 - b) * (grad * grad - v)",          # torch's lerp
+    "v + (grad * grad - v) * (1 - b)",
+    "(1 - b) * (grad * grad - v) + v",
+    "v + c * (1 - b) * (abs(grad) - v)",        # a product of weights
+    "v - (1 - b) * (v - grad * grad)",
+    "(1 - c) * v + c * grad * grad",
+    "v - (1 - b) * sign(v - grad * grad) * grad * grad",   # Yogi
+    "v + (1 - b) * sign(grad * grad - v) * grad * grad",
+    "v + (grad * grad - v)",
+]
+
+
+@pytest.mark.parametrize("value", AVERAGES)
+def test_moving_averages_are_proven(value):
+    load(nonneg_spec(value, BETA))
+
+
+NOT_AVERAGES = [
+    ("v + b * (grad - v)", "'grad' can be negative"),
+    ("v + (1 + b) * (grad * grad - v)", "weight is in [0, 1]; '1 + b' is in [1, 2]"),
+    ("v - (1 - b) * (grad * grad - v)", None),                   # the wrong sign
+    ("v - (1 - b) * sign(v - grad * grad) * grad", None),        # x's factors are missing
+    ("v - (1 - b) * sign(v - grad * grad) * grad * grad * 2", "weight is in [0, 1]"),
+    ("grad + (1 - b) * (v - grad)", "'grad' can be negative"),
+]
+
+
+@pytest.mark.parametrize("value,hint", NOT_AVERAGES)
+def test_not_quite_moving_averages_are_refused(value, hint):
+    with pytest.raises(SpecError) as info:
+        load(nonneg_spec(value, BETA))
+    if hint is not None:
+        assert hint in info.value.hint
+    else:
+        assert "moving averages v + c * (x - v)" in info.value.hint
+
+
+def test_lerp_nonneg_matches_a_float32_computation():
+    # The proof's claim, on fp32 values near the edges: the average never goes below 0.
+    import torch
+
+    torch.manual_seed(0)
+    g = torch.randn(100000, dtype=torch.float32) * torch.logspace(-15, 15, 100000)
+    v = torch.rand(100000, dtype=torch.float32) * torch.logspace(30, -30, 100000)
+    v[::7] = (g * g)[::7]  # ties
+    for c in (0.0, 1e-8, 0.001, 0.5, 0.999, 1.0):
+        c32 = torch.tensor(c, dtype=torch.float32)
+        for value in (v + c32 * (g * g - v), v - c32 * (v - g * g), v - c32 * torch.sign(v - g * g) * g * g):
+            assert not value.isnan().any() and (value >= 0).all()
+
+
+# -- long programs -------------------------------------------------------------
+
+@pytest.mark.parametrize("first", ["grad", "lr"])  # a per-element chain and a host chain
+def test_five_thousand_chained_temporaries_lower(first):
+    n = 5000
+    body = f"    t1 = {first}\n" + "".join(f"    t{i + 1} = t{i} * 1.0001\n" for i in range(1, n))
+    spec = load(f"optimizer chain\nhyper lr = 1\nupdate {{\n{body}    param = param - lr * grad * t{n}\n}}\n")
+    (low,) = lower_all(spec)
+    assert len(low.host) + len(low.elem) >= n - 1
+
+
+def test_deeply_nested_expression_is_a_spec_error():
+    for inner in ["(" * 3000 + "grad" + " + 1)" * 3000, "sqrt(" * 3000 + "grad" + ")" * 3000,
+                  "(" * 3000 + "-(" * 3000 + "grad" + "))" * 3000]:
+        with pytest.raises(SpecError, match="nested too deeply"):
+            load(f"optimizer deep\nhyper lr = 1\nupdate {{\n    param = param - lr * ({inner} + 1)\n}}\n")
+    # parentheses alone do not nest the expression: this is just grad
+    spec = load("optimizer deep\nhyper lr = 1\nupdate {\n    param = param - lr * " + "(" * 3000 + "grad"
+                + ")" * 3000 + "\n}\n")
+    assert spec.body[0].value.right.right == ir.Name("grad")
+
+
+# -- strings -------------------------------------------------------------------
+
+@pytest.mark.parametrize("char", ["\x00", "\x01", "\x1b", "\x7f", "\x85", "\u2028", "\u2029"])
+def test_strings_refuse_control_characters(char):
+    for text in [f'optimizer t "a{char}b"\nhyper lr = 1\nupdate {{ param = param - lr * grad }}\n',
+                 f'optimizer t\nhyper lr = 1\nrequire lr > 0, "a{char}b"\nupdate {{ param = param - lr * grad }}\n']:
+        with pytest.raises(SpecError) as info:
+            load(text)
+        assert info.value.message == f"syntax error: a string may not contain the control character U+{ord(char):04X}"
+        line = text.split("\n")[info.value.loc.line - 1]
+        assert line[info.value.loc.col - 1] == char
+
+
+def test_strings_keep_tabs():
+    assert load('optimizer t "a\tb"\nhyper lr = 1\nupdate { param = param - lr * grad }\n').doc == "a\tb"
+
+
+# -- idioms --------------------------------------------------------------------
+
+def test_state_from_param_is_exact_and_unbounded():
+    spec = load("optimizer sf\nhyper lr = 1\nstate z = param\nstate n = -param\nstate m = 0 exact\nstate w = 0\n"
+                "update {\n    z = z - lr * grad\n    n = n + z\n    m = m + grad\n    w = w + grad\n"
+                "    param = z + n + m + w\n}\n")
+    z, n, m, w = spec.states
+    assert z.init == ir.Name("param") and z.starts_from_param and z.must_stay_exact and not z.exact
+    assert n.init == ir.Unary("neg", ir.Name("param")) and n.starts_from_param
+    assert m.exact and m.must_stay_exact and not m.starts_from_param
+    assert not w.must_stay_exact
+
+
+def test_negated_hyperparameter_initial_value():
+    spec = load("optimizer t\nhyper lr = 1\nhyper a = 2\nstate m = -a\nupdate {\n    m = m + grad\n"
+                "    param = param - lr * m\n}\n")
+    assert spec.states[0].init == ir.Unary("neg", ir.Name("a"))
+
+
+OPTIONAL = """optimizer ademamix_like
+hyper lr = 1e-3 in [0, inf)
+hyper t_alpha = none in [1, inf)
+flag has_t = given(t_alpha)
+flag warm = given(t_alpha) and lr > 0.5
+require given(t_alpha) or lr < 1, "without t_alpha, lr must be below 1"
+
+update {
+    ramp = where(has_t, min(step / t_alpha, 1), 1)
+    if warm {
+        ramp = ramp * t_alpha
+    }
+    param = param - lr * ramp * grad
+}
+"""
+
+
+def test_optional_hyperparameter_resolves_to_none_and_sets_its_flag():
+    spec = load(OPTIONAL)
+    (h,) = [h for h in spec.hypers if h.name == "t_alpha"]
+    assert h.optional and h.default is None
+    assert spec.keyword_defaults()["t_alpha"] is None
+    off = resolve_hypers(spec, {})
+    assert off.hypers["t_alpha"] is None and off.flags == {"has_t": False, "warm": False}
+    assert resolve_hypers(spec, {"t_alpha": None}).flags["has_t"] is False
+    on = resolve_hypers(spec, {"t_alpha": 10, "lr": 0.75})
+    assert on.hypers["t_alpha"] == 10.0 and on.flags == {"has_t": True, "warm": True}
+    with pytest.raises(ValueError, match=r"Invalid t_alpha: 0.5; ademamix_like expects a value in \[1, inf\)"):
+        resolve_hypers(spec, {"t_alpha": 0.5})
+    with pytest.raises(ValueError, match="without t_alpha, lr must be below 1"):
+        resolve_hypers(spec, {"lr": 2.0})
+    # the lowered programs read t_alpha only where it is given
+    for low in lower_all(spec):
+        reads = {a.name for i in low.host + low.elem for a in i.args if a.kind == "hyper"}
+        flags = dict(low.combo)
+        if flags["has_t"]:
+            assert "t_alpha" in reads, low.describe()
+        if "t_alpha" in reads:
+            assert flags["has_t"] or flags["warm"], low.describe()
+
+
+def test_optional_guard_must_imply_given():
+    text = OPTIONAL.replace("flag warm = given(t_alpha) and lr > 0.5", "flag warm = given(t_alpha) or lr > 0.5")
+    with pytest.raises(SpecError, match=r"'t_alpha' may be none here \(when has_t=false, warm=true\)"):
+        load(text)
