@@ -343,7 +343,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def describe(self) -> str:
         """Which weights are updated inside backward, and why the others are not; the state layout asked for
         (`state_dtype`, the saved one after `load_state_dict`) and the layouts the states hold."""
-        lines = [f"ForgeOptimizer({self.spec.name}, state {self.state_dtype}, rounding {self.rounding})"]
+        if any(p.dtype == torch.bfloat16 for p in self._param_index):
+            weights = f"rounding {self.rounding}"
+        else:  # the rounding applies to bf16 weights only
+            weights = "fp32 weights, written exactly"
+        lines = [f"ForgeOptimizer({self.spec.name}, state {self.state_dtype}, {weights})"]
         held = checkpoint.held_layouts(self.spec, self.state.values())
         if held is not None:
             lines.append(f"  state held: {held}")

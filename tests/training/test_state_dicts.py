@@ -142,6 +142,8 @@ def test_loaded_layout_seed_and_rounding_become_the_optimizers():
     assert (opt2.state_dtype, opt2.rounding, opt2.seed) == ("int8", "nearest", 5)
     text = opt2.describe()
     assert "ForgeOptimizer(adamw, state int8, rounding nearest)" in text
+    fp32_weights = ForgeOptimizer(make_model(1, torch.float32), "adamw", rounding="nearest", lr=1e-2).describe()
+    assert fp32_weights.splitlines()[0] == "ForgeOptimizer(adamw, state fp32, fp32 weights, written exactly)"
     # fp32 where a last dim is below one block (the [16] bias), int8 / uint8 elsewhere
     assert ("state held: exp_avg int8 (bf16 scales) ×5, fp32 ×1; exp_avg_sq uint8 (sqrt map, bf16 scales) ×5, "
             "fp32 ×1") in text
