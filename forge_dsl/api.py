@@ -11,11 +11,11 @@ from typing import Mapping, Optional, Union
 
 import torch
 
+from .kernels.layouts import as_rows, quantize, resolve_layout, rows_cols, storage_shape
+from .reference import ParamCopy, initial_scalars, initial_values, plain_state
 from .spec import ir
 from .spec.keywords import resolve_hypers
 from .spec.loading import SpecLike, builtin_names, builtin_path, load_spec
-from .kernels.layouts import as_rows, quantize, resolve_layout, rows_cols, storage_shape
-from .reference import ParamCopy, initial_scalars, initial_values, plain_state
 
 __all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "state_layout", "SpecLike"]
 

@@ -13,10 +13,10 @@ from typing import Any, Mapping, MutableMapping, Union
 
 import torch
 
+from .compiler.lowering import Lowered, Operand, lower
 from .spec import ir
 from .spec.keywords import StepConfig, check_step, resolve_hypers
 from .spec.loading import load_spec
-from .compiler.lowering import Lowered, Operand, lower
 from .spec.scalar_ops import apply_scalar_op
 from .spec.variants import states_present
 

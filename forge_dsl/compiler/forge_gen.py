@@ -19,9 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..spec.errors import SpecError
 from ..spec.loading import load_spec
 from .codegen import read_stamp, render_module
-from ..spec.errors import SpecError
 from .loader import atomic_write, default_out, register
 
 __all__ = ["main", "generate"]

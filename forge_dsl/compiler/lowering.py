@@ -24,8 +24,8 @@ from typing import Optional, Union
 
 from ..spec import ir
 from ..spec.checker import Level
-from ..spec.variants import Combo, assignments, runtime_flags, specialize, states_present, variant_of, variants
 from ..spec.scalar_ops import apply_scalar_op
+from ..spec.variants import Combo, assignments, runtime_flags, specialize, states_present, variant_of, variants
 
 __all__ = ["Operand", "Instr", "Lowered", "lower", "lower_all", "ELEMENT_INPUTS", "HOST_INPUTS"]
 

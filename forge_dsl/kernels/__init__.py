@@ -12,11 +12,12 @@ torch's keyword names (`betas=(0.9, 0.999)` included); `state` is what
 """
 
 from .foreach import foreach_step
-from .steps import ParamUpdate, fused_linear_step, linear_step, slab_linear_step, step
 from .kernel_calls import mix_seed
 from .policy import TileConfig
+from .steps import ParamUpdate, fused_linear_step, linear_step, slab_linear_step, step
 
-__all__ = ["ParamUpdate", "TileConfig", "foreach_step", "fused_linear_step", "linear_step", "mix_seed", "slab_linear_step", "step"]
+__all__ = ["ParamUpdate", "TileConfig", "foreach_step", "fused_linear_step", "linear_step", "mix_seed",
+           "slab_linear_step", "step"]
 
 
 def __getattr__(name: str):

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from ..spec.keywords import check_seed
-from .layouts import FOUR_BIT_LAYOUTS, as_rows, n_blocks
 from .checks import StateArgs, tma_compatible, weight_view
+from .layouts import FOUR_BIT_LAYOUTS, as_rows, n_blocks
 from .policy import TileConfig, interpreting, step_config
 
 

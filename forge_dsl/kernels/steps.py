@@ -27,16 +27,37 @@ from typing import Any, MutableMapping, Optional
 
 import torch
 
-from ..spec.loading import SpecLike, load_spec
-from ..spec.keywords import check_step, resolve_hypers
-from .layouts import holds_codes
-from . import reuse
-from .checks import (DEFAULT_ROUNDING, DEFAULT_SEED, any_quantized, bind_states, check_config, check_device, check_linear, check_rounding,
-                     check_warp_specialized, tma_compatible, tma_readable, weight_view)
 from ..compiler.loader import compiled_variants
+from ..spec.keywords import check_step, resolve_hypers
+from ..spec.loading import SpecLike, load_spec
+from . import reuse
+from .checks import (
+    DEFAULT_ROUNDING,
+    DEFAULT_SEED,
+    any_quantized,
+    bind_states,
+    check_config,
+    check_device,
+    check_linear,
+    check_rounding,
+    check_warp_specialized,
+    tma_compatible,
+    tma_readable,
+    weight_view,
+)
 from .kernel_calls import device_guard, launch_elementwise, launch_fused, mix_seed
-from .policy import (LINEAR_PATHS, WS_MIN_ELEMENTS, TileConfig, auto_linear_path, default_slab_bytes, fused_config,
-                     hopper_with_gluon, slab_rows, stored_bytes)
+from .layouts import holds_codes
+from .policy import (
+    LINEAR_PATHS,
+    WS_MIN_ELEMENTS,
+    TileConfig,
+    auto_linear_path,
+    default_slab_bytes,
+    fused_config,
+    hopper_with_gluon,
+    slab_rows,
+    stored_bytes,
+)
 
 __all__ = ["fused_linear_step", "slab_linear_step", "linear_step", "step", "ParamUpdate", "TileConfig", "mix_seed"]
 

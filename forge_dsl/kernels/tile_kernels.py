@@ -31,8 +31,17 @@ import triton
 import triton.language as tl
 
 from .state_lib import block_scale_offsets, decode_state, load_state_raw, store_state
-from .tile_lib import (accumulate_dw, accumulate_dw_halves, decode_weight, load_weight, load_weight_raw, split_columns,
-                       store_weight, tile_at, tile_offsets)
+from .tile_lib import (
+    accumulate_dw,
+    accumulate_dw_halves,
+    decode_weight,
+    load_weight,
+    load_weight_raw,
+    split_columns,
+    store_weight,
+    tile_at,
+    tile_offsets,
+)
 
 __all__ = ["apply_tile", "fused", "load_tile", "step", "update_slice"]
 

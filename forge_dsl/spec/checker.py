@@ -28,8 +28,17 @@ from . import ir
 from .errors import Loc, SpecError, did_you_mean
 from .nonneg import check_nonneg
 from .printer import print_expr
-from .variants import (Combo, children, combinations, describe_combo, eval_static, iter_names, specialize,
-                       states_present, walk_statements)
+from .variants import (
+    Combo,
+    children,
+    combinations,
+    describe_combo,
+    eval_static,
+    iter_names,
+    specialize,
+    states_present,
+    walk_statements,
+)
 
 __all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "Level", "MAX_FLAGS", "RESERVED_NAMES", "Type",
            "check_spec"]

@@ -4,16 +4,44 @@
     >>> report = check_spec_kernels("my_opt.fopt", quick=True)
     >>> report.ok, print(report.table()), report.reproducer
 
-`bounds` holds the per-layout tolerances (also used by tests/kernels/test_kernels.py) and the update's, `problems` the drawn
-hyperparameters, flag combinations and random layers, `cases` one check (`Case`, `run_case`), `sweep`
-which cases a spec gets and the report, `cli` the console script.
+`bounds` holds the per-layout tolerances (also used by tests/kernels/test_kernels.py) and the update's,
+`problems` the drawn hyperparameters, flag combinations and random layers, `cases` one check (`Case`,
+`run_case`), `sweep` which cases a spec gets and the report, `cli` the console script.
 """
 
-from .bounds import (FP32_REL_TOL, FP32_SLACK, SR_SIGMAS, UPDATE_FLOOR, UPDATE_REL, UPDATE_ULPS, RoundingMean,
-                     as_float64_state, bf16_ulp, block_scale, bound, dw_error_bound, fp32_ulp, layout_code, rel_err,
-                     sign_tie_allowance, sr_mean_bound, update_bound, update_slack, weight_bound)
-from .cases import (AGAINST_REL_TOL, HALVES_CONFIG, SPLIT_CONFIGS, WS_CONFIG, WS_EPILOGUES, Case, CaseResult,
-                    load_against, run_case)
+from .bounds import (
+                     FP32_REL_TOL,
+                     FP32_SLACK,
+                     SR_SIGMAS,
+                     UPDATE_FLOOR,
+                     UPDATE_REL,
+                     UPDATE_ULPS,
+                     RoundingMean,
+                     as_float64_state,
+                     bf16_ulp,
+                     block_scale,
+                     bound,
+                     dw_error_bound,
+                     fp32_ulp,
+                     layout_code,
+                     rel_err,
+                     sign_tie_allowance,
+                     sr_mean_bound,
+                     update_bound,
+                     update_slack,
+                     weight_bound,
+)
+from .cases import (
+                     AGAINST_REL_TOL,
+                     HALVES_CONFIG,
+                     SPLIT_CONFIGS,
+                     WS_CONFIG,
+                     WS_EPILOGUES,
+                     Case,
+                     CaseResult,
+                     load_against,
+                     run_case,
+)
 from .cli import main
 from .problems import K, N, T, covering_combos, default_device, draw_keywords, layout_for, make_problem
 from .sweep import Report, check_reference, check_spec_kernels, format_table, reproducer

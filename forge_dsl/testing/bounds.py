@@ -288,7 +288,7 @@ def sign_tie_allowance(spec, hypers: dict, x_dtype: torch.dtype, path: str) -> O
 
 
 def _uses_sign(spec) -> bool:
-    from ..spec.variants import combinations
     from ..compiler.lowering import lower
+    from ..spec.variants import combinations
 
     return any(i.op == "sign" for combo in combinations(spec) for i in lower(spec, combo).elem)

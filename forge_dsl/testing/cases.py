@@ -28,12 +28,23 @@ from typing import Any, Optional
 
 import torch
 
-from ..spec import ir
 from ..api import init_state, load_spec
 from ..kernels.layouts import is_quantized
 from ..reference import reference_step
-from .bounds import (FP32_REL_TOL, RoundingMean, as_float64_state, bound, dw_error_bound, layout_code, rel_err,
-                     sign_tie_allowance, update_bound, update_slack, weight_bound)
+from ..spec import ir
+from .bounds import (
+    FP32_REL_TOL,
+    RoundingMean,
+    as_float64_state,
+    bound,
+    dw_error_bound,
+    layout_code,
+    rel_err,
+    sign_tie_allowance,
+    update_bound,
+    update_slack,
+    weight_bound,
+)
 from .problems import K, N, T, default_device, layout_for, make_problem
 
 __all__ = ["Case", "CaseResult", "run_case", "load_against", "AGAINST_REL_TOL", "SCALAR_REL_TOL", "SLAB_ROWS",

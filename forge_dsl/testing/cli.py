@@ -71,7 +71,7 @@ def _main(args) -> int:
     from ..api import load_spec
     from ..spec.errors import SpecError
     from .cases import load_against
-    from .sweep import Report, check_reference, plan_kernel_cases, _run
+    from .sweep import Report, _run, check_reference, plan_kernel_cases
 
     if args.against is not None:
         try:

@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..spec import ir
-from ..spec.variants import Combo, combinations
 from ..spec.keywords import resolve_hypers
+from ..spec.variants import Combo, combinations
 
 __all__ = ["default_device", "make_problem", "layout_for", "draw_keywords", "default_combo", "covering_combos",
            "N", "K", "T"]

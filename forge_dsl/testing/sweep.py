@@ -23,10 +23,10 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from ..spec import ir
 from ..api import SpecLike, builtin_names, init_state, load_spec
-from ..spec.variants import Combo, describe_combo
 from ..reference import reference_step
+from ..spec import ir
+from ..spec.variants import Combo, describe_combo
 from .cases import WS_EPILOGUES, Case, CaseResult, run_case
 from .problems import combos_for, draw_keywords, make_problem, problem_seeds
 

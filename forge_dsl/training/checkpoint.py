@@ -35,14 +35,24 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ..spec import ir
 from ..api import state_layout
 from ..kernels.checks import ROUNDINGS
-from ..spec.keywords import check_seed, resolve_hypers
-from ..kernels.layouts import (FOUR_BIT_LAYOUTS, SCALE_DTYPES, StateLayout, is_quantized, layout_of, n_blocks,
-                               resolve_layout, rows_cols, storage_dtype, storage_shape)
-from ..spec.printer import print_spec
+from ..kernels.layouts import (
+    FOUR_BIT_LAYOUTS,
+    SCALE_DTYPES,
+    StateLayout,
+    is_quantized,
+    layout_of,
+    n_blocks,
+    resolve_layout,
+    rows_cols,
+    storage_dtype,
+    storage_shape,
+)
 from ..reference import initial_values
+from ..spec import ir
+from ..spec.keywords import check_seed, resolve_hypers
+from ..spec.printer import print_spec
 
 __all__ = ["META_KEY", "FORMAT", "metadata", "check_state_dict", "Loaded", "spec_digest", "held_layouts"]
 
@@ -254,13 +264,13 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
         expected.add(s.name)
         if is_quantized(layout):
             if scale_name not in values:
-                raise ValueError(f"state_dict's {layout.layout_name} '{s.name}' of {label} has no '{scale_name}' (its block "
-                                 "scales): the codes cannot be read without them")
+                raise ValueError(f"state_dict's {layout.layout_name} '{s.name}' of {label} has no '{scale_name}' "
+                                 "(its block scales): the codes cannot be read without them")
             scale = _tensor(values[scale_name], f"'{scale_name}' of {label}")
             if scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != (rows, n_blocks(cols)):
                 raise ValueError(f"state_dict's '{scale_name}' of {label} is {scale.dtype} of shape "
-                                 f"{tuple(scale.shape)}; {layout.layout_name} '{s.name}' needs float32 or bfloat16 of shape "
-                                 f"({rows}, {n_blocks(cols)}) (one scale per 64 elements of a row)")
+                                 f"{tuple(scale.shape)}; {layout.layout_name} '{s.name}' needs float32 or bfloat16 of "
+                                 f"shape ({rows}, {n_blocks(cols)}) (one scale per 64 elements of a row)")
             out[scale_name] = scale.to(p.device, copy=True)
             expected.add(scale_name)
     for s in spec.scalars:

@@ -14,8 +14,9 @@ Forward: for each vocabulary block [v0, v1) (`vocab_block_rows`), the block's lo
 into each token's running one, and the target logit where it falls in the block. It saves hidden [T, D], the
 targets [T] and the log-sum-exp [T]. Backward, block by block: the same logits again, the block of their gradient
 dY = (softmax − onehot) · (grad · scale) in the head's dtype (as autograd's gradient of the logits), ΔX += dY · W
-with the block's old rows, then the block to the sink (`forge_dsl.training.row_updates.RowSink`), which updates those rows;
-or, where the sink is None or its `begin()` is False, the block's dW rows into a dense dW for autograd (exact).
+with the block's old rows, then the block to the sink (`forge_dsl.training.row_updates.RowSink`), which updates
+those rows; or, where the sink is None or its `begin()` is False, the block's dW rows into a dense dW for
+autograd (exact).
 The backward's cost over the dense path is one GEMM [tokens × vocab × D] (the logits again); its largest
 temporary is one block's logits (fp32) beside their bf16 copies, `LOGITS_BLOCK_BYTES` · 1.5 at most.
 """

@@ -56,14 +56,14 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from ..spec.keywords import check_seed, resolve_hypers
 from ..kernels.checks import DEFAULT_ROUNDING, DEFAULT_SEED, check_rounding
 from ..kernels.foreach import FOREACH_MAX_ELEMENTS, shared_launch_key
 from ..kernels.policy import LINEAR_PATHS, interpreting
+from ..spec.keywords import check_seed, resolve_hypers
 from ..spec.loading import SpecLike, load_spec
 from . import checkpoint, hf_head, installer, tensor_parallel
 from .consumed_grad import CLIP_MESSAGE, OUTSIDE_USE_MESSAGE, ConsumedGrad
@@ -71,6 +71,19 @@ from .installer import fuse
 from .stepper import INITIAL_KEY, ParamStepper, group_hypers, initial_value_hypers
 
 __all__ = ["ForgeOptimizer", "fuse"]
+
+
+class _Stepped:
+    """An attribute of the optimizer kept by its stepper (`stepper.ParamStepper`), which every update reads."""
+
+    def __init__(self, name: str, doc: str, check: Optional[Callable[[Any], Any]] = None) -> None:
+        self.name, self.__doc__, self.check = name, doc, check
+
+    def __get__(self, opt, owner=None):
+        return self if opt is None else getattr(opt._stepper, self.name)
+
+    def __set__(self, opt, value) -> None:
+        setattr(opt._stepper, self.name, value if self.check is None else self.check(value))
 
 
 class ForgeOptimizer(torch.optim.Optimizer):
@@ -200,41 +213,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                                [install.remove for install in self._head_installs])
 
     # -- what the stepper holds, as torch.optim's users read it ---------------
-    @property
-    def state_dtype(self) -> Union[str, Mapping[str, str]]:
-        """The state layout new states get (a loaded state dict sets it to the one it was saved with)."""
-        return self._stepper.state_dtype
-
-    @state_dtype.setter
-    def state_dtype(self, value) -> None:
-        self._stepper.state_dtype = value
-
-    @property
-    def rounding(self) -> str:
-        """How bf16 weights are written: "stochastic" or "nearest"."""
-        return self._stepper.rounding
-
-    @rounding.setter
-    def rounding(self, value: str) -> None:
-        self._stepper.rounding = value
-
-    @property
-    def seed(self) -> int:
-        """The stochastic-rounding seed new states draw theirs from."""
-        return self._stepper.seed
-
-    @seed.setter
-    def seed(self, value: int) -> None:
-        self._stepper.seed = check_seed(value)
-
-    @property
-    def linear_path(self) -> str:
-        """How a fused layer's update runs: "auto", "fused" or "slab" (`kernels.linear_step`)."""
-        return self._stepper.linear_path
-
-    @linear_path.setter
-    def linear_path(self, value: str) -> None:
-        self._stepper.linear_path = value
+    state_dtype = _Stepped("state_dtype", "The state layout new states get (a loaded state dict sets it to the one "
+                                          "it was saved with).")
+    rounding = _Stepped("rounding", 'How bf16 weights are written: "stochastic" or "nearest".')
+    seed = _Stepped("seed", "The stochastic-rounding seed new states draw theirs from.", check=check_seed)
+    linear_path = _Stepped("linear_path", 'How a fused layer\'s update runs: "auto", "fused" or "slab" '
+                                          '(`kernels.linear_step`).')
 
     @property
     def _param_index(self) -> dict:

@@ -20,7 +20,8 @@ import torch
 
 from ..api import init_state
 from ..kernels.foreach import _step_flat
-from ..kernels.steps import ParamUpdate, linear_step, mix_seed, step as elementwise_step
+from ..kernels.steps import ParamUpdate, linear_step, mix_seed
+from ..kernels.steps import step as elementwise_step
 from ..spec import ir
 from . import checkpoint, tensor_parallel
 from .weight import StepProgress

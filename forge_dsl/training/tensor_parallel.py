@@ -42,7 +42,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ..kernels.layouts import FOUR_BIT_LAYOUTS, BLOCK, StateLayout, is_quantized, n_blocks, rows_cols, storage_shape
+from ..kernels.layouts import BLOCK, FOUR_BIT_LAYOUTS, StateLayout, is_quantized, n_blocks, rows_cols, storage_shape
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
