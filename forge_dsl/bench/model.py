@@ -72,22 +72,29 @@ import importlib.util
 import itertools
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-import forge_dsl
-
-from ..training import tensor_parallel
-from ..training.consumed_grad import ConsumedGrad
-from ..training.offload import Kept, OffloadActivations
-from .common import (Progress, Results, UsageError, allocated_bytes, format_table, free_memory, gib,
-                     synchronize)
+from ..training.offload import OffloadActivations
+from .common import Progress, Results, UsageError, allocated_bytes, free_memory, gib, synchronize
 from .lean_loss import causal_lm_loss_inplace
+from .model_memory import (PHASES, SavedBytes, StepMemory, instrument, materialized_grad_bytes,
+                           resident_at_peak)
+from .model_methods import (ALL_METHODS, LR, METHODS, PATH_METHODS, SINGLE_GPU_METHODS, TP_METHODS,
+                            Method)
+from .model_report import PEAK_POOLS, peak_pools, plot, table
 from .parallel import FSDP_METHODS, Parallel, gather_row, init, local_nbytes, shard
 
-LR = 1e-5
+# The names of `forge-bench model`, those of its parts (model_methods, model_memory, model_report) included:
+# the tests and the tools beside it (model_profile, replot) read them from here.
+__all__ = [
+    "ALL_METHODS", "FULL_MODELS", "FUSED_HEAD", "LOSSES", "LOSS_FUNCTIONS", "LR", "METHODS", "MODELS", "Method",
+    "PATH_METHODS", "PEAK_POOLS", "PHASES", "SINGLE_GPU_METHODS", "SavedBytes", "StepMemory", "TP_METHODS",
+    "add_arguments", "build_model", "enable_checkpointing", "free_memory", "fused_head_applies", "gib",
+    "instrument", "is_oom", "materialized_grad_bytes", "measure", "peak_pools", "plot", "resident_at_peak",
+    "resolve_settings", "run", "run_one", "table", "train_step",
+]
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -129,129 +136,6 @@ LOSSES = {
     "transformers": lambda model, ids: model(input_ids=ids, labels=ids, use_cache=False).loss,
     "inplace": causal_lm_loss_inplace,
 }
-
-
-@dataclass(frozen=True)
-class Method:
-    """An optimizer setup: `attach(model)` returns what to run after `loss.backward()` in every step
-    (with an optional `.close()` that undoes the attachment at the end of the run). A method with
-    `fused_head` is attached as `attach(model, head)`: head True gives it the loss without logits."""
-
-    name: str
-    attach: Callable[..., Callable[[], None]]
-    needs: Optional[str] = None  # a package that must be importable
-    fused_head: bool = False  # FORGE: can compute the loss without logits (ForgeOptimizer's lm_head_loss)
-
-
-def _stepper(*optimizers: torch.optim.Optimizer) -> Callable[[], None]:
-    def finish():
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    finish.optimizer = optimizers[0]
-    return finish
-
-
-def _torch_adamw(model):
-    """torch AdamW(fused=True); under tensor parallelism one for the DTensor shards and one for the replicated
-    plain parameters (the norms), since a fused launch takes tensors of one kind."""
-    params = list(model.parameters())
-    sharded = [p for p in params if tensor_parallel.is_dtensor(p)]
-    plain = [p for p in params if not tensor_parallel.is_dtensor(p)]
-    return _stepper(*(torch.optim.AdamW(g, lr=LR, fused=True) for g in (sharded, plain) if g))
-
-
-def _in_backward(model, make_optimizer: Callable[[list], torch.optim.Optimizer]):
-    """One optimizer per parameter (`make_optimizer([p])`), stepped by a post-accumulate-grad hook that then
-    drops the gradient: at most one parameter's gradient is alive at a time after its accumulation."""
-    optimizers = {p: make_optimizer([p]) for p in model.parameters()}
-
-    def hook(p):
-        optimizers[p].step()
-        p.grad = None
-
-    handles = [p.register_post_accumulate_grad_hook(hook) for p in optimizers]
-
-    def finish():
-        pass
-
-    def close():
-        # The hooks live on autograd's C++ side, out of reach of Python's cycle collector: without
-        # removing them, the model and its optimizers outlive the run (45 GiB at Llama-3.1-8B).
-        for handle in handles:
-            handle.remove()
-        optimizers.clear()
-
-    finish.close = close
-    finish.optimizers = optimizers
-    return finish
-
-
-def _torch_adamw_in_backward(model):
-    return _in_backward(model, lambda params: torch.optim.AdamW(params, lr=LR, fused=True))
-
-
-def _bnb_adamw8bit_in_backward(model):
-    import bitsandbytes
-
-    return _in_backward(model, lambda params: bitsandbytes.optim.AdamW8bit(params, lr=LR))
-
-
-def _forge(state_dtype: str, linear_path: str = "auto"):
-    def attach(model, head: bool = False):
-        return _stepper(forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=state_dtype, lr=LR,
-                                                 linear_path=linear_path, lm_head_loss=head))
-
-    return attach
-
-
-def _forge_checked(state_dtype: str):
-    """FORGE with every launch checked (`forge_dsl.kernels.reuse` off): the host path before v14."""
-    def attach(model, head: bool = False):
-        from forge_dsl.kernels import reuse as prepared
-
-        prepared.set_enabled(False)
-        finish = _forge(state_dtype)(model, head)
-        finish.close = lambda: prepared.set_enabled(None)
-        return finish
-
-    return attach
-
-
-def _torchao_adamw8bit(model):
-    from torchao.optim import AdamW8bit
-
-    return _stepper(AdamW8bit(model.parameters(), lr=LR))
-
-
-def _bnb_adamw8bit(model):
-    import bitsandbytes
-
-    return _stepper(bitsandbytes.optim.AdamW8bit(model.parameters(), lr=LR))
-
-
-METHODS = {m.name: m for m in (
-    Method("torch-adamw", _torch_adamw),
-    Method("torch-adamw-in-backward", _torch_adamw_in_backward),
-    Method("forge-bf16", _forge("bf16"), fused_head=True),
-    Method("forge-int8", _forge("int8"), fused_head=True),
-    Method("forge-int4", _forge("int4"), fused_head=True),
-    Method("torchao-adamw8bit", _torchao_adamw8bit, needs="torchao"),
-    Method("bnb-adamw8bit", _bnb_adamw8bit, needs="bitsandbytes"),
-    Method("bnb-adamw8bit-in-backward", _bnb_adamw8bit_in_backward, needs="bitsandbytes"),
-    Method("fsdp2-torch-adamw", _torch_adamw),  # with --tp N only: FSDP2 over the N ranks (bench/parallel.py)
-)}
-SINGLE_GPU_METHODS = [name for name in METHODS if name not in FSDP_METHODS]
-TP_METHODS = ["forge-bf16", "forge-int8", "forge-int4", "torch-adamw", *FSDP_METHODS]
-# Not in the default list: FORGE with every linear layer's update on one path, to compare the paths
-# that `linear_path="auto"` chooses between; and FORGE without reused launches, to measure them.
-PATH_METHODS = {m.name: m for m in (
-    *(Method(f"forge-{state}-{path}", _forge(state, path), fused_head=True)
-      for state in ("bf16", "int8") for path in ("fused", "slab")),
-    *(Method(f"forge-{state}-checked", _forge_checked(state), fused_head=True) for state in ("bf16", "int8")),
-)}
-ALL_METHODS = {**METHODS, **PATH_METHODS}
 
 
 # ---------------------------------------------------------------------------
@@ -338,7 +222,7 @@ def resolve_settings(args, device: torch.device) -> dict:
 def build_model(name: str, device: torch.device,
                 shard: Optional[Callable[[torch.nn.Module], None]] = None) -> torch.nn.Module:
     """A random-init bf16 causal LM of the named shape, built on meta and materialized on `device`; `shard`
-    (bench/parallel.py) shards it on meta first, so that only this rank's shard is ever allocated."""
+    (forge_dsl.bench.parallel) shards it on meta first, so that only this rank's shard is ever allocated."""
     import transformers
 
     config_class, dims = MODELS[name]
@@ -372,159 +256,6 @@ def enable_checkpointing(model) -> None:
 # the loss of a row: --loss's, or "fused-head": the forward hf_head.install gave the model (labels → loss)
 FUSED_HEAD = "fused-head"
 LOSS_FUNCTIONS = {**LOSSES, FUSED_HEAD: LOSSES["transformers"]}
-PHASES = ("forward", "loss", "backward", "optimizer")
-
-
-class SavedBytes:
-    """Bytes of the tensors autograd saves for backward while entered (`torch.autograd.graph.saved_tensors_hooks`):
-    one count per storage, the storages whose data pointers are in `exclude` (the parameters) left out. With
-    `offload` (an OffloadActivations, whose hooks these replace while entered), each tensor goes through it:
-    `bytes` counts what stays on the device, `offloaded` what it copied to host memory (its own count: a moved
-    tensor's device memory is freed and its address may be handed out again while entered)."""
-
-    def __init__(self, exclude: set, offload: Optional[OffloadActivations] = None) -> None:
-        self.exclude = exclude
-        self.offload = offload
-        self.seen: set = set()
-        self.bytes = 0
-        self.offloaded = 0
-        self._offloaded_before = 0
-        self._hooks = None
-
-    def _pack(self, t: torch.Tensor):
-        packed = self.offload.pack(t) if self.offload is not None else Kept(t)
-        if self.offload is not None and self.offload.moved(packed):
-            return packed
-        for storage in _storages(t):
-            ptr = storage.data_ptr()
-            if ptr not in self.exclude and ptr not in self.seen:
-                self.seen.add(ptr)
-                self.bytes += storage.nbytes()
-        return packed
-
-    def _unpack(self, packed):
-        return self.offload.unpack(packed) if self.offload is not None else packed.unpack()
-
-    def __enter__(self) -> "SavedBytes":
-        self._offloaded_before = self.offload.bytes_offloaded if self.offload is not None else 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
-        if self.offload is not None:
-            self.offloaded = self.offload.bytes_offloaded - self._offloaded_before
-
-
-def _storages(t: torch.Tensor) -> list:
-    """The storages holding `t`'s data: its own, or a tensor subclass's inner tensors' (a DTensor's local shard, a
-    functional collective's result), which are what the allocator holds."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        inner = (getattr(t, name) for name in names)
-        return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
-    return [t.untyped_storage()]
-
-
-class StepMemory:
-    """One training step cut into `PHASES` by the allocator's statistics: at each `cut(next)`, the peak of the
-    phase that ends (max_memory_allocated since the last cut), then what is allocated and the gradient bytes
-    materialized as `next` starts, then the peak statistic reset. Only on CUDA (elsewhere nothing is recorded);
-    no synchronization is needed, the caching allocator counts on the host as it hands out blocks."""
-
-    def __init__(self, device: torch.device, grad_bytes: Callable[[], int]) -> None:
-        self.device = device
-        self.grad_bytes = grad_bytes
-        self.phase: Optional[str] = None
-        self.peaks: dict = {}  # phase -> bytes
-        self.allocated_at: dict = {}  # phase -> bytes allocated as it starts
-        self.grads_at: dict = {}  # phase -> gradient bytes materialized as it starts
-        self.activations: Optional[int] = None  # SavedBytes of the decoder's forward, when measured
-        self.offloaded: Optional[int] = None  # and what of it went to host memory (--offload on)
-
-    def cut(self, next_phase: Optional[str]) -> None:
-        if self.device.type != "cuda":
-            return
-        if self.phase is not None:
-            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), torch.cuda.max_memory_allocated(self.device))
-        if next_phase is not None:
-            self.allocated_at[next_phase] = torch.cuda.memory_allocated(self.device)
-            self.grads_at[next_phase] = self.grad_bytes()
-        self.phase = next_phase
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def end_loss(self) -> None:
-        """The gradient reached the logits (or the decoder's output): the loss phase ends, if it is on."""
-        if self.phase == "loss":
-            self.cut("backward")
-
-    @property
-    def peak(self) -> Optional[int]:
-        return max(self.peaks.values()) if self.peaks else None
-
-    @property
-    def logits(self) -> Optional[int]:
-        """The loss's own memory: its phase's peak above what was allocated as it started."""
-        if "loss" not in self.peaks:
-            return None
-        return self.peaks["loss"] - self.allocated_at["loss"]
-
-
-def materialized_grad_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters' .grad (this rank's shards); a fused weight's .grad after its update is a
-    ConsumedGrad, which holds none."""
-    return sum(local_nbytes(p.grad) for p in model.parameters()
-               if p.grad is not None and not isinstance(p.grad, ConsumedGrad))
-
-
-def instrument(model: torch.nn.Module, get_meter: Callable[[], Optional[StepMemory]],
-               hook_head: bool = True, offload: Optional[OffloadActivations] = None) -> Callable[[], None]:
-    """Hooks that cut the step of `get_meter()` (when it returns one) into phases and count the decoder's saved
-    activations: the decoder (`model.model`) forward's end starts the loss; the gradient at `model.lm_head`'s
-    output (with `hook_head`; else, and where the head is not called, at the decoder's output) starts the
-    backward. `hook_head` must be False under the fused head, which refuses a head with forward hooks (it never
-    calls the head). With `offload`, the decoder's saved tensors still go through it. Returns the remover."""
-    decoder, head = model.model, (getattr(model, "lm_head", None) if hook_head else None)
-    params = {storage.data_ptr() for p in model.parameters() for storage in _storages(p)}
-    counting: list = []
-
-    def before_decoder(module, args, kwargs):
-        meter = get_meter()
-        if meter is not None:
-            counting.append(SavedBytes(params, offload).__enter__())
-
-    def after_decoder(module, args, kwargs, output):
-        meter = get_meter()
-        if meter is None:
-            return
-        if counting:
-            saved = counting.pop()
-            saved.__exit__(None, None, None)
-            meter.activations, meter.offloaded = saved.bytes, saved.offloaded
-        meter.cut("loss")
-        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        if hidden.requires_grad:
-            hidden.register_hook(lambda grad: meter.end_loss())
-
-    def after_head(module, args, output):
-        meter = get_meter()
-        if meter is not None and output.requires_grad:
-            output.register_hook(lambda grad: meter.end_loss())
-
-    handles = [decoder.register_forward_pre_hook(before_decoder, with_kwargs=True),
-               decoder.register_forward_hook(after_decoder, with_kwargs=True)]
-    if head is not None:
-        handles.append(head.register_forward_hook(after_head))
-
-    def remove():
-        for handle in handles:
-            handle.remove()
-
-    return remove
 
 
 def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: str,
@@ -549,34 +280,12 @@ def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: 
     return grad_bytes
 
 
-def resident_at_peak(meter: StepMemory, weights: int, state: int, leftover: int) -> dict:
-    """The pools resident at the step's peak, in bytes, adding up to it: weights and optimizer state always;
-    in the loss phase the decoder's saved activations, the logits and the gradients materialized at its end; in
-    the forward phase the gradients at its end; in the backward and optimizer phases the gradients at the end of
-    backward; what an earlier run left allocated (`leftover`); the workspace, the rest."""
-    peak = meter.peak
-    phase = max(meter.peaks, key=meter.peaks.get)
-    pools = {"weights": weights, "optimizer_state": state, "gradients": 0, "logits": 0, "activations": 0,
-             "leftover": leftover}
-    grads_end = meter.grads_at.get("optimizer", 0)  # as the optimizer phase starts: at the end of backward
-    if phase == "forward":
-        pools["gradients"] = meter.grads_at.get("loss", grads_end)
-    elif phase == "loss":
-        pools["gradients"] = meter.grads_at.get("backward", grads_end)
-        pools["logits"] = meter.logits or 0
-        pools["activations"] = meter.activations or 0
-    else:
-        pools["gradients"] = grads_end
-    pools["workspace"] = peak - sum(pools.values())
-    return {"phase": phase, "peak": peak, "pools": pools}
-
-
 def measure(name: str, method: Method, seq: int, checkpointing: bool, device: torch.device,
             settings: dict, compiled: bool = False, parallel: Optional[Parallel] = None,
             offload: bool = False) -> dict:
     """Build, warm up and time one (model, method, tokens, checkpointing, offload) run; memory in bytes (None off
-    CUDA). With `parallel`, the model is sharded over its ranks (bench/parallel.py) and this rank's share measured;
-    with `offload`, each forward runs within an OffloadActivations."""
+    CUDA). With `parallel`, the model is sharded over its ranks (forge_dsl.bench.parallel) and this rank's share
+    measured; with `offload`, each forward runs within an OffloadActivations."""
     leftover = allocated_bytes(device)  # what an earlier run left behind (should be ~0)
     model = build_model(name, device, shard(method.name, parallel) if parallel is not None else None)
     if checkpointing:
@@ -725,90 +434,3 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Optional[Results],
     results.plot(plot)
     return results, table(results.rows)
 
-
-# ---------------------------------------------------------------------------
-# Report
-# ---------------------------------------------------------------------------
-
-
-# the pools at the peak, in the table's and the plot's order: (key of at_peak_gib, table header, plot legend)
-PEAK_POOLS = (("weights", "weights", "weights"), ("optimizer_state", "opt state", "optimizer state"),
-              ("gradients", "grads", "gradients"), ("logits", "logits", "logits and their gradient"),
-              ("activations", "activations", "activations saved by the decoder"),
-              ("workspace", "workspace", "workspace (the rest)"))
-
-
-def peak_pools(row: dict) -> dict:
-    """A row's memory pools at its peak, GiB, adding up to the peak: `at_peak_gib` where the row has it; older
-    records (before the loss and activation pools) as they measured it: weights, optimizer state, gradients at
-    the end of backward, and the rest as workspace."""
-    at_peak = row.get("at_peak_gib")
-    if at_peak is not None:
-        pools = {key: at_peak.get(key) for key, _, _ in PEAK_POOLS}
-        pools["workspace"] = (pools["workspace"] or 0) + (at_peak.get("leftover") or 0)
-        return pools
-    return {"weights": row.get("weights_gib"), "optimizer_state": row.get("optimizer_state_gib"),
-            "gradients": row.get("gradients_gib"), "logits": None, "activations": None,
-            "workspace": row.get("rest_gib")}
-
-
-def table(rows: list[dict]) -> str:
-    """One line a row: the peak, where in the step it is, its pools (adding up to it), and the sizes of the
-    loss's own memory and the saved activations whether or not they are resident at the peak."""
-    headers = ["model", "tokens", "ckpt", "compiled", "GPUs", "method", "loss", "status", "peak GiB", "peak in",
-               "step ms", "tokens/s", *(f"{header} GiB" for _, header, _ in PEAK_POOLS), "loss own GiB",
-               "saved act GiB", "on host GiB"]
-    body = []
-    for r in rows:
-        pools = peak_pools(r)
-        gpus = r.get("tp", 1)  # sharded runs: the peak and pools are the GPU with the highest peak's
-        body.append([r["model"], f"{r.get('batch', 1)}×{r['seq']}", _ckpt_label(r),
-                     "yes" if r.get("compiled") else "no", gpus if gpus == 1 else f"{gpus} ({r.get('sharding')})",
-                     r["method"],
-                     r.get("loss", "transformers"),  # records from before v3 have no --loss
-                     r["status"], r.get("peak_gib"), r.get("peak_phase"), r.get("step_ms"), r.get("tokens_per_s"),
-                     *(pools[key] for key, _, _ in PEAK_POOLS), r.get("logits_gib"), r.get("activations_gib"),
-                     r.get("offloaded_gib")])
-    return format_table(headers, body)
-
-
-def _ckpt_label(row: dict) -> str:
-    """The table's checkpointing cell: on / off, and "+ offload" for a run with --offload on."""
-    return ("on" if row["checkpointing"] else "off") + (" + offload" if row.get("offload") else "")
-
-
-def plot(plt, results: Results):
-    """One line per run: peak memory stacked by pool (left) and step time (right), horizontal bars. The
-    figure, drawn with `plt` (matplotlib.pyplot) for `Results.plot`."""
-    rows = results.rows
-    fig, (mem, time_ax) = plt.subplots(1, 2, figsize=(13, 1.5 + 0.22 * len(rows)), sharey=True,
-                                       width_ratios=(3, 2), layout="constrained")
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for y, r in enumerate(rows):
-        if r["status"] != "ok":
-            mem.text(0, y, f" {r['status']}", va="center", fontsize=7, color="tab:red")
-            continue
-        left = 0.0
-        pools = peak_pools(r)
-        for (key, _, _), color in zip(PEAK_POOLS, colors):
-            if pools[key] is not None:
-                mem.barh(y, pools[key], left=left, color=color, height=0.7)
-                left += pools[key]
-        time_ax.barh(y, r["step_ms"], color="gray", height=0.7)
-    if all(r.get("peak_gib") is None for r in rows):
-        mem.text(0.5, 0.5, "memory is measured on CUDA only", transform=mem.transAxes, ha="center")
-    labels = [f"{r['model']} 1×{r['seq']} ckpt {_ckpt_label(r)} · {r['method']} · "
-              f"{r.get('loss', 'transformers')}" for r in rows]
-    mem.set_yticks(range(len(rows)), labels, fontsize=7)
-    mem.invert_yaxis()
-    mem.set_xlabel("peak memory (GiB), by the pools resident at the peak")
-    # under the panels: inside, the legend covers the bars of the last rows, which reach across the axes
-    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors[:len(PEAK_POOLS)]],
-               labels=[p[2] for p in PEAK_POOLS], fontsize=7, loc="outside lower center", ncol=len(PEAK_POOLS))
-    time_ax.set_xlabel("step time (ms)")
-    for ax in (mem, time_ax):
-        ax.grid(axis="x", alpha=0.3)
-    loss = results.data["settings"].get("loss", "transformers")  # records from before v3 have no --loss
-    fig.suptitle(f"training step, bf16 weights, batch 1, {loss} loss (FORGE rows: the row's loss) — "
-                 f"{results.data['device']}", fontsize=9)
-    return fig

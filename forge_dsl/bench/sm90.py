@@ -68,7 +68,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     `hypers` pick the variant (flags) as `fused_linear_step` would; `config` defaults to
     `fused_config` for T tokens on a CUDA device. `activations`: "bf16", or "fp32" / "tf32" for
     float32 activations with exact or TF32 products. `cols` decides what a launch would of the columns: the
-    rounding code, whether 4-bit state is accessed in words (`launches.nibble_words`), whether the
+    rounding code, whether 4-bit state is accessed in words (`kernel_calls.nibble_words`), whether the
     activations' rows allow TMA (a multiple of 16 bytes: never for a bf16 K % 8 != 0, so neither the
     warp-specialized kernel) and which sizes are multiples of 16.
     """
@@ -89,7 +89,7 @@ def compile_fused(spec: SpecLike, layout: str = "bf16", config: Optional[TileCon
     if cfg.warp_specialized and not tma_rows:
         raise ValueError(f"the warp-specialized kernel reads the activations through TMA, whose rows must be a "
                          f"multiple of 16 bytes; {cols} columns are not: give a config without mma_warps")
-    tma = cfg.tma and tma_rows  # as `launches.launch_fused` falls back to plain loads
+    tma = cfg.tma and tma_rows  # as `kernel_calls.launch_fused` falls back to plain loads
     act = "fp32" if fp32 else "bf16"
     precision = {"fp32": "ieee", "tf32": "tf32"}.get(activations)
     stochastic = rounding_code("stochastic", cols)  # even cols: one hash per two elements

@@ -98,7 +98,7 @@ def ws_nanoseconds():
 def ws_stamp(TL, j, slot: tl.constexpr, value, TIMELINE: tl.constexpr):
     """Record `value` in slot `slot` of this program's tile j: TL [programs, TIMELINE, TIMELINE_SLOTS] int64
     (tiles past TIMELINE are not recorded). Compiled only where the kernel records a timeline
-    (TIMELINE > 0, bench/ws_timeline.py); the slots are listed there."""
+    (TIMELINE > 0, `python -m forge_dsl.bench.ws_timeline`); the slots are listed there."""
     if TIMELINE > 0:
         if j < TIMELINE:
             gl.store(TL + (gl.program_id(0) * TIMELINE + j) * TIMELINE_SLOTS + slot, value)
@@ -373,7 +373,7 @@ def fused_ws(X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks, TL,
     while the EPILOGUE_WARPS of `ws_epilogue` update the tile before it. X, DY: TMA descriptors with blocks
     [BT, BK] and [BT, BN]; the other arguments as for `tile_kernels.fused`. TIMELINE > 0: each partition
     records when it waits and works, per tile, in TL [NUM_PROGRAMS, TIMELINE, TIMELINE_SLOTS] int64
-    (bench/ws_timeline.py); 0: nothing of it is compiled, and TL (any pointer) is never read."""
+    (`python -m forge_dsl.bench.ws_timeline`); 0: nothing of it is compiled, and TL (any pointer) is never read."""
     x_bufs, dy_bufs, acc_smem, ready, empty, acc_ready, acc_empty = ws_allocate(X, DY, STAGES, MMA_SLICES)
     gl.warp_specialize([
         (ws_epilogue, (W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL, UPDATE,

@@ -37,7 +37,7 @@ def mix_seed(seed: int, step: int) -> int:
 def launch_fused(cfg: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, w_view: torch.Tensor, w_bf16: bool,
                  states: StateArgs, update, exports: tuple, key: int, rounding: str, tf32: bool) -> Optional[tuple]:
     """One launch of the fused kernel on x [T, K], dy [T, N] and the weight [N, K] (`w_view`, bf16 as int16).
-    Returns what `prepared.PreparedLaunch` repeats of a warp-specialized launch (`launch_warp_specialized`),
+    Returns what `reuse.PreparedLaunch` repeats of a warp-specialized launch (`launch_warp_specialized`),
     else None."""
     if cfg.warp_specialized:
         return launch_warp_specialized(cfg, x2, dy2, w_view, w_bf16, states, update, exports, key, rounding)
@@ -92,10 +92,10 @@ def ws_constexprs(cfg: TileConfig, update, w_bf16: bool, stochastic: int, layout
 def launch_warp_specialized(cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, states: StateArgs, update,
                              exports: tuple, seed: int, rounding: str, timeline: Optional[torch.Tensor] = None):
     """One launch of `gluon_lib.fused_ws`: one persistent program per SM (at most one per tile). Returns what
-    `prepared.PreparedLaunch` repeats: (the compiled kernel, the positional and keyword arguments, programs).
+    `reuse.PreparedLaunch` repeats: (the compiled kernel, the positional and keyword arguments, programs).
     `timeline`: an int64 [programs, tiles, gluon_lib.TIMELINE_SLOTS] buffer the kernel records its partitions'
-    waits in (bench/ws_timeline.py), its first dim the number of programs; None (the product) compiles none
-    of it."""
+    waits in (`python -m forge_dsl.bench.ws_timeline`), its first dim the number of programs; None (the
+    product) compiles none of it."""
     from . import gluon_lib
 
     T, K = x2.shape

@@ -251,7 +251,7 @@ def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: tor
     """"slab" or "fused": what `linear_step(path="auto")` runs for `tokens` activations of `dtype` on `device`,
     a weight of `elements` elements and int8 / uint8 state (`quantized`) or not; `hopper`: whether the device
     runs the warp-specialized fused kernel (default: ask it), `tma`: whether the activations can be read
-    through TMA, `reused`: whether its launches are reused (default: `prepared.supported()`).
+    through TMA, `reused`: whether its launches are reused (default: `reuse.supported()`).
 
     The rules: the fused kernel off CUDA and for float32 activations; with quantized state where the
     warp-specialized kernel runs, the slab path up to `SLAB_MAX_TOKENS_QUANTIZED_WS` tokens unless launches
@@ -265,9 +265,9 @@ def auto_linear_path(tokens: int, elements: int, dtype: torch.dtype, device: tor
     if quantized:
         if hopper and tma and elements >= WS_MIN_ELEMENTS:
             if reused is None:
-                from . import reuse as prepared
+                from . import reuse
 
-                reused = prepared.supported()
+                reused = reuse.supported()
             return "slab" if tokens <= SLAB_MAX_TOKENS_QUANTIZED_WS and not reused else "fused"
         return "slab" if tokens >= SLAB_MIN_TOKENS_QUANTIZED else "fused"
     if hopper and tma:

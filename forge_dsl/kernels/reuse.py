@@ -165,7 +165,7 @@ class NotReusable(Exception):
 class PreparedLaunch:
     """One checked warp-specialized launch, to be repeated with new activations, keywords, step and seed.
 
-    Built from the arguments `launches.launch_warp_specialized` passed `gluon_lib.fused_ws[(programs,)](*args,
+    Built from the arguments `kernel_calls.launch_warp_specialized` passed `gluon_lib.fused_ws[(programs,)](*args,
     **kwargs)` and the compiled kernel that call returned; each argument is found by its parameter's name.
     `launch` takes tensors of that call's metadata: x [..., K], dy [..., N] (bf16), weight [N, K] and the
     state entries the variant reads (`names`, with each int8 / uint8 state's `<name>.scale`). `kernels` maps
@@ -197,7 +197,7 @@ class PreparedLaunch:
         self._timeline = slot["TL"]  # never read without a recorded timeline: the weight's pointer
         self._N, self._K = template[slot["N"]], template[slot["K"]]
         if template[slot["TIMELINE"]]:
-            raise NotReusable("a launch that records a timeline (bench/ws_timeline.py)")
+            raise NotReusable("a launch that records a timeline (`python -m forge_dsl.bench.ws_timeline`)")
         for i in (self._x, self._dy, self._w, self._states, self._scales, self._timeline):  # replaced on every call
             template[i] = None
         self._template = template
@@ -214,7 +214,7 @@ class PreparedLaunch:
     def launch(self, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state, hypers: dict, step: int,
                seed: int) -> Optional[dict]:
         """One step of this layer: host scalars from `hypers` (the resolved keywords of this call) and the
-        scalar state, the descriptors, the launch on the current stream (`seed`: `launches.mix_seed` of the
+        scalar state, the descriptors, the launch on the current stream (`seed`: `kernel_calls.mix_seed` of the
         call's seed and step). Returns the scalar state's new values for the caller to commit, or None
         (nothing launched) where this step's host scalars need a kernel not compiled for this entry yet,
         or where a pre-run hook was set on the kernel since."""

@@ -12,7 +12,7 @@ The 4-bit layouts hold two codes a byte (element `offs` in byte `offs >> 1`, the
 even `offs`): that is the packed `[rows, cols / 2]` storage only because every row has an even number
 of columns (`forge_dsl.kernels.layouts.resolve_layout` keeps odd ones fp32) and tiles start at even columns.
 With NIBBLE_WORDS (rows of a multiple of 8 columns in storage that starts on a 4-byte boundary:
-`launches.nibble_words`) the 8 elements of a row from each column multiple of 8 on share one
+`kernel_calls.nibble_words`) the 8 elements of a row from each column multiple of 8 on share one
 little-endian 32-bit word, element e of it in bits 4e..4e+3, and the helpers load and store one int32
 word per 8 elements (`_load_codes`, `_store_codes`), gathered by reshaping to
 `(BLOCK_N, BLOCK_K // 8, 8)` as the block scales are gathered over 64. Otherwise loads read each
@@ -181,7 +181,7 @@ def _word_offsets(offs, mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     mask [BLOCK_N, BLOCK_K // 8]); word j of a tile row holds its columns 8j..8j+7, and is masked or not as a whole
     (rows of a multiple of 8 columns). Reduced over each word's 8 elements, as `_block_mask` over a block's 64, so
     these layouts are the other state helpers' (Gluon combines only tensors of one layout). One int32 reduction,
-    the mask folded in as -1 (`launches.nibble_words` keeps word offsets below 2**31): it costs shuffles where
+    the mask folded in as -1 (`kernel_calls.nibble_words` keeps word offsets below 2**31): it costs shuffles where
     the compiler spreads a word over threads, as it may in the Triton kernels."""
     o = tl.where(mask, (offs >> 3).to(tl.int32), -1)
     o_word = tl.max(tl.reshape(o, (BLOCK_N, BLOCK_K // 8, 8)), axis=2)
@@ -315,7 +315,7 @@ def load_state(ptr, scale_ptr, offs, mask, scale_offs,
             (`block_scale_offsets`; read by the int8 layouts only). BLOCK_K is a multiple of 64.
         NIBBLE_WORDS: INT4 / UINT4 codes are accessed a 32-bit word (8 codes) at a time, not a byte: only
             where every row of the packed storage starts on a 4-byte boundary, i.e. the tensor's columns are
-            a multiple of 8 and `ptr` is 4-byte aligned (`launches.nibble_words` decides it for the kernels).
+            a multiple of 8 and `ptr` is 4-byte aligned (`kernel_calls.nibble_words` decides it for the kernels).
             The other layouts ignore it.
     """
     raw, scale = load_state_raw(ptr, scale_ptr, offs, mask, scale_offs, LAYOUT, NIBBLE_WORDS, BLOCK_N, BLOCK_K)

@@ -16,7 +16,7 @@
 tensors live on the CPU and the kernels run in the Triton interpreter (`TRITON_INTERPRET=1` must be set
 before triton is imported). The path of a call: `checks` refuses what the kernels cannot run, `policy`
 picks the tile config and the path, `ParamUpdate` binds the variant, its host scalars and the state once,
-`launches` runs the kernels; a warp-specialized call whose metadata repeats a checked call's reuses that
+`kernel_calls` runs the kernels; a warp-specialized call whose metadata repeats a checked call's reuses that
 call's launch (`reuse`), tried once per call in `_linear`.
 """
 
@@ -131,7 +131,7 @@ class ParamUpdate:
     def _fused(self, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states, key: int, tf32: bool,
                config: Optional[TileConfig]) -> Optional[tuple]:
         """The fused kernel on checked x [T, K], dy [T, N] and weight rows [N, K]; returns a warp-specialized
-        launch's arguments (`launches.launch_fused`)."""
+        launch's arguments (`kernel_calls.launch_fused`)."""
         N, K = weight.shape
         if N == 0 or K == 0:
             return None

@@ -22,7 +22,7 @@ of its `STATES` tuple), `h` the variant's host scalars (what its `host_v<i>` ret
     HOST    the tuple of host scalars, handed to `UPDATE` as `h`,
     LAYOUTS a constexpr tuple of each state's layout code (`forge_dsl.kernels.layouts.StateLayout`), beside
             NIBBLE_WORDS, a constexpr: whether 4-bit states are read and written a 32-bit word (8 codes)
-            at a time (`launches.nibble_words`),
+            at a time (`kernel_calls.nibble_words`),
 
 and the weight as fp32, or bf16 as its int16 view (`W_BF16`). Every tuple may be empty (SGD).
 """

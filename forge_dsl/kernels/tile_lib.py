@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-# How `store_weight` writes a bf16 weight: its STOCHASTIC argument (`launches.rounding_code` picks it).
+# How `store_weight` writes a bf16 weight: its STOCHASTIC argument (`kernel_calls.rounding_code` picks it).
 ROUND_NEAREST = tl.constexpr(0)
 ROUND_STOCHASTIC = tl.constexpr(1)  # any tile
 ROUND_STOCHASTIC_PAIRS = tl.constexpr(2)  # one hash per two elements; needs an even number of columns
@@ -338,7 +338,7 @@ def store_weight(ptr, value, offs, mask, seed, W_BF16: tl.constexpr, STOCHASTIC:
     STOCHASTIC says (ignored for fp32): ROUND_NEAREST (0, or False) to nearest even,
     ROUND_STOCHASTIC (1, or True) stochastically, ROUND_STOCHASTIC_PAIRS (2) the same
     bits with one hash per two neighbours, where every tile row starts at an even
-    element index (`launches.rounding_code` picks it from the number of columns).
+    element index (`kernel_calls.rounding_code` picks it from the number of columns).
 
     seed: a Python int in [0, 2**63), the key of `random_bits`. The
     caller mixes (user seed, step) into it; the random bits of element `offs`

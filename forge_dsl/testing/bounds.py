@@ -229,7 +229,7 @@ class RoundingMean:
     The kernel adds 16 uniform random bits to its fp32 result v and truncates, so E[w_kernel] = v
     exactly, and w_kernel − v spans one bf16 gap g (at |v|): each d has mean within s = slack / ulp of 0
     (v is within `update_slack` of ref_after) and variance ≤ (g / ulp)² / 4 (≈ 1/4). The bits are
-    new per element and step (`launches.mix_seed`), so over n elements
+    new per element and step (`kernel_calls.mix_seed`), so over n elements
 
         |mean d| ≤ SR_SIGMAS · sqrt(Σ (g/ulp)² / 4) / n + Σ s / n   (≈ 3 / sqrt(n))
 

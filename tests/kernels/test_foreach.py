@@ -20,8 +20,9 @@ from torch import nn
 
 import forge_dsl
 from forge_dsl import ForgeOptimizer, init_state
-from forge_dsl.kernels import steps as launch, step
+from forge_dsl.kernels import step, steps
 from forge_dsl.kernels.foreach import foreach_step, shared_launch_key
+from tiers import sweep
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SPECS = forge_dsl.builtin_names()
@@ -64,9 +65,9 @@ def clone_states(states):
     return [{k: v.clone() for k, v in s.items()} for s in states]
 
 
-@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
-@pytest.mark.parametrize("layout", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("name", SPECS)
+# the quick tier: each spec once, the layouts and weight dtypes in turn
+@pytest.mark.parametrize(*sweep(("name", SPECS), ("layout", ["fp32", "bf16", "int8"]),
+                                ("w_dtype", [torch.float32, torch.bfloat16], ["w_fp32", "w_bf16"])))
 def test_one_launch_gives_the_bits_of_one_launch_per_parameter(name, layout, w_dtype):
     params, grads, states, hypers = problem(name, layout, w_dtype, seed=len(name) * 31 + len(layout))
     keys = {shared_launch_key(name, p, g, s) for p, g, s in zip(params, grads[0], states)}
@@ -145,13 +146,13 @@ def test_optimizer_shares_launches_and_keeps_the_bits(dtype, state_dtype, monkey
             prm.add_(torch.randn_like(prm) * 0.1)  # norms away from their ones and zeros
     models = {flag: Net(dtype).to(DEVICE) for flag in (True, False)}
     launches = {}
-    real = launch.launch_elementwise
+    real = steps.launch_elementwise
     for flag, model in models.items():
         model.load_state_dict(ref.state_dict())
         opt = ForgeOptimizer(model, "adamw", lr=1e-2, weight_decay=0.1, state_dtype=state_dtype,
                              rounding="nearest", foreach=flag)
         calls = []
-        monkeypatch.setattr(launch, "launch_elementwise", lambda *a, **k: (calls.append(1), real(*a, **k)))
+        monkeypatch.setattr(steps, "launch_elementwise", lambda *a, **k: (calls.append(1), real(*a, **k)))
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             x = torch.randn(2, 16, 64, generator=gen).to(DEVICE, dtype)

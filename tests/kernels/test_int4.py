@@ -26,13 +26,14 @@ import triton.language as tl  # noqa: E402
 import forge_dsl  # noqa: E402
 from forge_dsl import ForgeOptimizer, kernels  # noqa: E402
 from forge_dsl.kernels import layouts as L  # noqa: E402
-from forge_dsl.kernels import kernel_calls as launches  # noqa: E402
+from forge_dsl.kernels import kernel_calls  # noqa: E402
 from forge_dsl.kernels import state_lib, tile_lib  # noqa: E402
 from forge_dsl.kernels.checks import bind_states  # noqa: E402
 from forge_dsl.kernels.steps import ParamUpdate  # noqa: E402
 from forge_dsl.kernels.kernel_calls import nibble_words  # noqa: E402
 from forge_dsl.kernels.layouts import StateLayout  # noqa: E402
 from forge_dsl.testing import as_float64_state, bound, layout_code  # noqa: E402
+from tiers import sweep  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -421,7 +422,7 @@ def test_int4_code_and_value_are_the_comparisons_and_the_map():
 
 
 def test_nibble_words_decides_by_columns_alignment_size_and_layout(probe, monkeypatch):
-    """`launches.nibble_words`: 4-bit state in words where the rows have a multiple of 8 columns and the storage
+    """`kernel_calls.nibble_words`: 4-bit state in words where the rows have a multiple of 8 columns and the storage
     starts on a 4-byte boundary, row blocks (`StateArgs.rows`) at any first row included, and is small enough for
     int32 word offsets; bytes otherwise; False without 4-bit state (int8), so that those launches compile one
     kernel whatever the columns."""
@@ -438,14 +439,14 @@ def test_nibble_words_decides_by_columns_alignment_size_and_layout(probe, monkey
         moved = {**state, "m": buf[offset:offset + state["m"].numel()].view(state["m"].shape)}
         assert not nibble_words(200, bind_states(probe, ("m", "v"), moved, w))
     states = bind_states(probe, ("m", "v"), state, w)
-    monkeypatch.setattr(launches, "NIBBLE_WORDS_MAX_BYTES", state["m"].numel())  # as if 8 GiB of codes
+    monkeypatch.setattr(kernel_calls, "NIBBLE_WORDS_MAX_BYTES", state["m"].numel())  # as if 8 GiB of codes
     assert not nibble_words(200, states) and nibble_words(200, states.rows(1, 9))
 
 
 @pytest.mark.parametrize("cols", [200, 202], ids=["words", "bytes"])
 def test_row_blocks_and_unaligned_state_step_as_the_whole_does(probe, cols):
     """Row blocks (`ParamUpdate.from_grad(rows=...)`: each block's state a view starting cols / 2 bytes per row in,
-    a word boundary for cols % 8 == 0) and state stored at an odd address (the byte path, `launches.nibble_words`)
+    a word boundary for cols % 8 == 0) and state stored at an odd address (the byte path, `kernel_calls.nibble_words`)
     write the bits one element-wise launch on the whole aligned parameter does (nearest rounding)."""
     gen = torch.Generator().manual_seed(cols)
     w = torch.randn(9, cols, generator=gen).to(DEVICE)
@@ -533,7 +534,7 @@ def _assert_state_bits(state, want):
                            b.view(torch.uint8) if b.dtype != torch.float32 else b.view(torch.int32)), k
 
 
-# (130,): int4 codes a byte at a time (130 % 8 != 0, `launches.nibble_words`); the others a 32-bit word
+# (130,): int4 codes a byte at a time (130 % 8 != 0, `kernel_calls.nibble_words`); the others a 32-bit word
 @pytest.mark.parametrize("layout", ["int4", "int8"])
 @pytest.mark.parametrize("shape,scale_dtype", [((9, 200), torch.bfloat16), ((130,), torch.bfloat16),
                                                ((2, 3, 128), torch.bfloat16), ((9, 200), torch.float32)])
@@ -557,15 +558,20 @@ def test_elementwise_step_with_int4_state_is_bit_exact(probe, shape, scale_dtype
         _assert_weight_bits(w, w_new, f"step {step}", operands)
 
 
-@pytest.mark.parametrize("layout", ["int4", "int8"])
-@pytest.mark.parametrize("config,scale_dtype,k", [(None, torch.bfloat16, 200), ("halves", torch.bfloat16, 200),
-                                                  (None, torch.float32, 200), (None, torch.bfloat16, 202)])
+# the quick tier: int4 state (int8 state's fused kernel is in tests/kernels/test_kernels.py's quick cases too)
+@pytest.mark.parametrize(*sweep(("config,scale_dtype,k", [(None, torch.bfloat16, 200), ("halves", torch.bfloat16, 200),
+                                                          (None, torch.float32, 200), (None, torch.bfloat16, 202)],
+                                 ["None-scale_dtype0-200", "halves-scale_dtype1-200", "None-scale_dtype2-200",
+                                  "None-scale_dtype3-202"]),
+                                ("layout", ["int4", "int8"]),
+                                quick=["None-scale_dtype0-200-int4", "halves-scale_dtype1-200-int4",
+                                       "None-scale_dtype2-200-int4", "None-scale_dtype3-202-int4"]))
 def test_fused_step_with_int4_state_is_bit_exact(probe, config, scale_dtype, k, layout):
     """The fused kernel (dW in its registers) stores the int4 state of its own dW: the stored bytes are
     `quantize` of that dW (read back from m's twin, an fp32 copy of the same spec), bit for bit, and the weight
     moves by the decoded old states: bit-exact in the interpreter; compiled with fp fusion, where the decode's
     multiply and the spec's add may contract into one FMA, within 1 fp32 ulp of torch's. 200 columns: int4 codes
-    a 32-bit word at a time; 202: a byte (`launches.nibble_words`)."""
+    a 32-bit word at a time; 202: a byte (`kernel_calls.nibble_words`)."""
     from forge_dsl.testing import HALVES_CONFIG
 
     cfg = HALVES_CONFIG if config == "halves" else None
@@ -653,6 +659,7 @@ print(json.dumps([asdict(compile_fused("adamw", "int4", TileConfig.parse(c) if c
 """
 
 
+@pytest.mark.slow  # compiles for sm_90: about 10 s
 @pytest.mark.skipif(not os.path.exists(_SM90_BIN), reason="this Triton has no bundled NVIDIA tools")
 def test_int4_state_is_accessed_in_words_on_sm90():
     """AdamW's fused kernel with int4 state compiled for sm_90 (`forge_dsl.bench.sm90`, no GPU needed) reads and

@@ -104,7 +104,7 @@ def run_weight(src, *, out_bf16=True, stochastic=False, seed=0, delta=None, bloc
     """src: 2-D fp32 or bf16 CPU tensor → dst (bf16 or fp32) CPU tensor.
 
     stochastic: with the STOCHASTIC code the library launches pick for this many columns
-    (`launches.rounding_code`: one hash per two elements when even); pairs=False forces one per element."""
+    (`kernel_calls.rounding_code`: one hash per two elements when even); pairs=False forces one per element."""
     rows, cols = src.shape
     code = rounding_code("stochastic" if stochastic else "nearest", cols)
     if stochastic and pairs is False:

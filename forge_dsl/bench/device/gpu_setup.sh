@@ -1,0 +1,12 @@
+# Sourced by the device-call scripts beside it: from the repository's root (three folders above this one), the
+# editable install, and what the machine and versions are. OUT (default bench/results) is a folder named from
+# where the caller stands, made absolute before the move to the root.
+if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd); fi
+cd "$(dirname "${BASH_SOURCE[0]}")/../../.." || exit 1
+OUT=${OUT:-$PWD/bench/results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/install.log 2>&1 \
+    || { echo "editable install failed:"; tail -5 /tmp/install.log; }
+nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,memory.used --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

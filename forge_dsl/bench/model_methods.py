@@ -1,0 +1,145 @@
+"""The optimizer setups `forge-bench model` compares (its --help lists them: `forge_dsl.bench.model`'s docstring).
+
+A `Method` is a name and an `attach(model)` that builds the optimizer on the model and returns what runs after
+each `loss.backward()`; `METHODS` is the default list, `PATH_METHODS` the FORGE variants pinned to one linear
+path or with reused launches off, `ALL_METHODS` both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+import forge_dsl
+
+from ..training import tensor_parallel
+from .parallel import FSDP_METHODS
+
+__all__ = ["ALL_METHODS", "LR", "METHODS", "Method", "PATH_METHODS", "SINGLE_GPU_METHODS", "TP_METHODS"]
+
+LR = 1e-5
+
+
+@dataclass(frozen=True)
+class Method:
+    """An optimizer setup: `attach(model)` returns what to run after `loss.backward()` in every step
+    (with an optional `.close()` that undoes the attachment at the end of the run). A method with
+    `fused_head` is attached as `attach(model, head)`: head True gives it the loss without logits."""
+
+    name: str
+    attach: Callable[..., Callable[[], None]]
+    needs: Optional[str] = None  # a package that must be importable
+    fused_head: bool = False  # FORGE: can compute the loss without logits (ForgeOptimizer's lm_head_loss)
+
+
+def _stepper(*optimizers: torch.optim.Optimizer) -> Callable[[], None]:
+    def finish():
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    finish.optimizer = optimizers[0]
+    return finish
+
+
+def _torch_adamw(model):
+    """torch AdamW(fused=True); under tensor parallelism one for the DTensor shards and one for the replicated
+    plain parameters (the norms), since a fused launch takes tensors of one kind."""
+    params = list(model.parameters())
+    sharded = [p for p in params if tensor_parallel.is_dtensor(p)]
+    plain = [p for p in params if not tensor_parallel.is_dtensor(p)]
+    return _stepper(*(torch.optim.AdamW(g, lr=LR, fused=True) for g in (sharded, plain) if g))
+
+
+def _in_backward(model, make_optimizer: Callable[[list], torch.optim.Optimizer]):
+    """One optimizer per parameter (`make_optimizer([p])`), stepped by a post-accumulate-grad hook that then
+    drops the gradient: at most one parameter's gradient is alive at a time after its accumulation."""
+    optimizers = {p: make_optimizer([p]) for p in model.parameters()}
+
+    def hook(p):
+        optimizers[p].step()
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in optimizers]
+
+    def finish():
+        pass
+
+    def close():
+        # The hooks live on autograd's C++ side, out of reach of Python's cycle collector: without
+        # removing them, the model and its optimizers outlive the run (45 GiB at Llama-3.1-8B).
+        for handle in handles:
+            handle.remove()
+        optimizers.clear()
+
+    finish.close = close
+    finish.optimizers = optimizers
+    return finish
+
+
+def _torch_adamw_in_backward(model):
+    return _in_backward(model, lambda params: torch.optim.AdamW(params, lr=LR, fused=True))
+
+
+def _bnb_adamw8bit_in_backward(model):
+    import bitsandbytes
+
+    return _in_backward(model, lambda params: bitsandbytes.optim.AdamW8bit(params, lr=LR))
+
+
+def _forge(state_dtype: str, linear_path: str = "auto"):
+    def attach(model, head: bool = False):
+        return _stepper(forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=state_dtype, lr=LR,
+                                                 linear_path=linear_path, lm_head_loss=head))
+
+    return attach
+
+
+def _forge_checked(state_dtype: str):
+    """FORGE with every launch checked (`forge_dsl.kernels.reuse` off): the host path before v14."""
+    def attach(model, head: bool = False):
+        from forge_dsl.kernels import reuse
+
+        reuse.set_enabled(False)
+        finish = _forge(state_dtype)(model, head)
+        finish.close = lambda: reuse.set_enabled(None)
+        return finish
+
+    return attach
+
+
+def _torchao_adamw8bit(model):
+    from torchao.optim import AdamW8bit
+
+    return _stepper(AdamW8bit(model.parameters(), lr=LR))
+
+
+def _bnb_adamw8bit(model):
+    import bitsandbytes
+
+    return _stepper(bitsandbytes.optim.AdamW8bit(model.parameters(), lr=LR))
+
+
+METHODS = {m.name: m for m in (
+    Method("torch-adamw", _torch_adamw),
+    Method("torch-adamw-in-backward", _torch_adamw_in_backward),
+    Method("forge-bf16", _forge("bf16"), fused_head=True),
+    Method("forge-int8", _forge("int8"), fused_head=True),
+    Method("forge-int4", _forge("int4"), fused_head=True),
+    Method("torchao-adamw8bit", _torchao_adamw8bit, needs="torchao"),
+    Method("bnb-adamw8bit", _bnb_adamw8bit, needs="bitsandbytes"),
+    Method("bnb-adamw8bit-in-backward", _bnb_adamw8bit_in_backward, needs="bitsandbytes"),
+    Method("fsdp2-torch-adamw", _torch_adamw),  # --tp N only: FSDP2 over the N ranks (forge_dsl.bench.parallel)
+)}
+SINGLE_GPU_METHODS = [name for name in METHODS if name not in FSDP_METHODS]
+TP_METHODS = ["forge-bf16", "forge-int8", "forge-int4", "torch-adamw", *FSDP_METHODS]
+# Not in the default list: FORGE with every linear layer's update on one path, to compare the paths
+# that `linear_path="auto"` chooses between; and FORGE without reused launches, to measure them.
+PATH_METHODS = {m.name: m for m in (
+    *(Method(f"forge-{state}-{path}", _forge(state, path), fused_head=True)
+      for state in ("bf16", "int8") for path in ("fused", "slab")),
+    *(Method(f"forge-{state}-checked", _forge_checked(state), fused_head=True) for state in ("bf16", "int8")),
+)}
+ALL_METHODS = {**METHODS, **PATH_METHODS}
