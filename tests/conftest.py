@@ -2,7 +2,8 @@
 
 The tests sit in the package's rooms (tests/spec, compiler, kernels, training, tools, architecture);
 tests/helpers holds the modules they share (`training_models`, `references`, `fuzz_kernels`, `tp_checks`,
-`repo`), importable by name from any test.
+`repo`, `tiers`: a sweep's quick cases and slow ones), importable by name from any test. `pytest` runs the quick
+tier, `pytest -m slow` the rest (pyproject.toml).
 """
 
 import os

@@ -17,6 +17,8 @@ import pytest
 
 from repo import ROOT
 
+from forge_dsl.aliases import ALIASES
+
 PACKAGE = ROOT / "forge_dsl"
 
 # Each module's layer, by the longest prefix that names it; a module may import its own layer and the ones
@@ -245,7 +247,13 @@ OLD_NAMES = {
 }
 
 
-@pytest.mark.parametrize("old", sorted(OLD_NAMES))
+# A moved path imports in a fresh process (about a second each): the quick tier keeps one moved whole, one split
+# in several and one of the training layer, beside the paths kept where they were (imported in this process).
+QUICK_OLD_PATHS = {"forge_dsl.codegen", "forge_dsl.kernels.triton_lib", "forge_dsl.optim"}
+
+
+@pytest.mark.parametrize("old", [pytest.param(old, marks=() if old in QUICK_OLD_PATHS or old not in ALIASES else
+                                              pytest.mark.slow) for old in sorted(OLD_NAMES)])
 def test_every_old_module_path_imports_with_its_names(old):
     """In a fresh process (the aliases warn on first import): `import old` and `from old import name` for each
     of its 0.1 names; a moved module's path is the new module itself."""

@@ -93,6 +93,8 @@ TOKENS = KEYWORDS + OPERATORS + NAMES + LITERALS
 
 # Examples are small; the whole file runs in about 35 seconds.  Set
 # FORGE_FUZZ_EXAMPLES=5000 for a longer hunt (the kernel tests then run 333 each).
+# The random corpora (every @given test) are in the slow tier (`pytest -m slow`); the seeded mutants, the
+# ill-conditioned specs and the former crashes are in the quick one.
 EXAMPLES = int(os.environ.get("FORGE_FUZZ_EXAMPLES", "300"))
 FAST = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # A kernel check costs 0.1-0.2 s (three steps in the interpreter, one program each).
@@ -192,24 +194,28 @@ def check_kernel_counted(spec, seed: int) -> None:
 
 # (a) random text ------------------------------------------------------------
 
+@pytest.mark.slow
 @FAST
 @given(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x2FFF), max_size=200))
 def test_random_characters(text):
     load_or_spec_error(text)
 
 
+@pytest.mark.slow
 @FAST
 @given(st.text(alphabet=string.printable, max_size=200))
 def test_random_printable_ascii(text):
     load_or_spec_error(text)
 
 
+@pytest.mark.slow
 @FAST
 @given(st.lists(st.sampled_from(TOKENS), max_size=60))
 def test_random_tokens(tokens):
     load_or_spec_error(" ".join(tokens))
 
 
+@pytest.mark.slow
 @FAST
 @given(st.lists(st.sampled_from(TOKENS), max_size=40))
 def test_random_tokens_after_a_valid_header(tokens):
@@ -217,6 +223,7 @@ def test_random_tokens_after_a_valid_header(tokens):
     load_or_spec_error("optimizer fuzz\nhyper lr = 1e-3\n" + " ".join(tokens))
 
 
+@pytest.mark.slow
 @FAST
 @given(st.lists(st.sampled_from(TOKENS), max_size=30))
 def test_random_tokens_inside_update(tokens):
@@ -297,18 +304,21 @@ def _mutate_same_class(text: str, data) -> str:
     return "".join(tokens)
 
 
+@pytest.mark.slow
 @FAST
 @given(st.sampled_from(sorted(SPECS)), st.data())
 def test_mutated_specs_same_class(name, data):
     load_or_spec_error(_mutate_same_class(SPECS[name], data))
 
 
+@pytest.mark.slow
 @FAST
 @given(st.sampled_from(sorted(SPECS)), st.data())
 def test_mutated_specs_characters(name, data):
     load_or_spec_error(_mutate_chars(SPECS[name], data))
 
 
+@pytest.mark.slow
 @FAST
 @given(st.sampled_from(sorted(SPECS)), st.data())
 def test_mutated_specs_tokens(name, data):
@@ -361,6 +371,7 @@ def _mutants(mutate, name: str, data):
 
 @pytest.mark.parametrize("mutate", [_mutate_meaning, _mutate_same_class, _mutate_chars, _mutate_tokens],
                          ids=["in_meaning", "same_class", "characters", "tokens"])
+@pytest.mark.slow
 @KERNEL_TEST
 @KERNEL
 @given(st.sampled_from(sorted(SPECS)), st.data(), SEEDS)
@@ -368,6 +379,7 @@ def test_kernels_of_mutated_specs(mutate, name, data, seed):
     load_first_and_check_kernel(_mutants(mutate, name, data), seed)
 
 
+@pytest.mark.slow
 @KERNEL_TEST
 @KERNEL
 @given(st.data(), SEEDS)

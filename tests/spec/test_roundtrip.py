@@ -108,6 +108,7 @@ def _value_of(spec: ir.Spec, target: str) -> ir.Expr:
     return next(s.value for s in spec.body if isinstance(s, ir.Assign) and s.target == target)
 
 
+@pytest.mark.slow  # hypothesis: 300 random examples (the built-ins' round trips are quick)
 @SETTINGS
 @given(REAL, BOOL)
 # found by CI: a clamp whose lower bound exceeds its upper one, as a divisor, made the range analysis
@@ -152,6 +153,7 @@ def _extend_any(e):
 ANY = st.recursive(ANY_LEAF, _extend_any, max_leaves=10)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(ANY)
 def test_random_expressions_reparse_to_the_same_tree(expr):
@@ -175,6 +177,7 @@ def intervals(draw):
     return ir.Interval(low, high, draw(st.booleans()), draw(st.booleans()))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(defaults, intervals(), st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=2, max_size=4),
        intervals(), st.booleans(), st.booleans(), st.text("abc xyz()<>=,.\t", max_size=20), st.booleans(),

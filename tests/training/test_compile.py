@@ -54,7 +54,7 @@ def test_no_graph_break_from_forge(which):
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
-@pytest.mark.parametrize("which", ["mlp", "llama"])
+@pytest.mark.parametrize("which", ["mlp", pytest.param("llama", marks=pytest.mark.slow)])  # the Llama's: about 5 s
 def test_fullgraph_compiled_steps_equal_eager_steps(which):
     make, batches, loss_fn = ((make_mlp, mlp_batches(3), mlp_loss) if which == "mlp" else
                               (make_llama, _llama_batches(3), _llama_loss))

@@ -23,6 +23,7 @@ import forge_dsl
 from forge_dsl.training import embedding as fe
 from forge_dsl.training.row_updates import AutogradRows, ParamUpdateRows
 from forge_dsl.testing import weight_bound
+from tiers import sweep
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -146,8 +147,10 @@ def _step_ids(step: int, g: torch.Generator) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("dtype, dim", [(torch.float32, 136), (torch.bfloat16, 64)])
-@pytest.mark.parametrize("spec", sorted(STEPPERS))
+# the quick tier: each spec once, the dtypes in turn
+@pytest.mark.parametrize(*sweep(("spec", sorted(STEPPERS)),
+                                ("dtype, dim", [(torch.float32, 136), (torch.bfloat16, 64)],
+                                 ["dtype0-136", "dtype1-64"])))
 def test_steps_match_torch_optim(spec, dtype, dim):
     hypers, twin = STEPPERS[spec]
     g = torch.Generator().manual_seed(11)
@@ -301,6 +304,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # compiles for sm_90 (tests/kernels/test_sm90.py's tier)
 def test_rows_grad_compiles_for_sm90():
     """The interpreter runs code the GPU compiler rejects: compile the kernel for the H100/H200 with Triton's
     bundled ptxas; no spills, and 16-byte loads of ΔY where its rows are aligned."""

@@ -26,7 +26,8 @@ def _torch_twin(model, **overrides):
     return ref, torch.optim.AdamW(ref.parameters(), **HYPERS)
 
 
-@pytest.mark.parametrize("head_loss", [False, True])
+# the quick tier: the loss without logits (a plain fused head is in test_optimizer's Llama runs)
+@pytest.mark.parametrize("head_loss", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_embedding_and_head_paths_train_like_torch(head_loss):
     """Four AdamW steps: every weight as torch.optim.AdamW moves it from autograd's gradients (the embedding's
     rows without tokens included: the batches use 30 of its 128 ids), with the loss equal to transformers'."""

@@ -14,6 +14,7 @@ import transformers
 
 import forge_dsl
 from forge_dsl.training.offload import OffloadActivations, _Saved
+from tiers import sweep
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -65,8 +66,11 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("checkpointing", ["non-reentrant", "reentrant", "off"])
+# the quick tier: torch's AdamW with each checkpointing, FORGE's (about 5 s each) with non-reentrant checkpointing
+@pytest.mark.parametrize(*sweep(("checkpointing", ["non-reentrant", "reentrant", "off"]),
+                                ("optimizer", list(OPTIMIZERS)),
+                                quick=["non-reentrant-torch-adamw", "reentrant-torch-adamw", "off-torch-adamw",
+                                       "non-reentrant-forge-adamw-int8"]))
 def test_training_is_bit_for_bit_the_same_with_offloading(optimizer, checkpointing):
     models = [tiny_llama(seed=0) for _ in range(2)]
     if checkpointing != "off":

@@ -27,6 +27,7 @@ from torch import nn
 
 import forge_dsl
 from references import ADAMAX
+from tiers import sweep
 from forge_dsl import ForgeOptimizer
 from training_models import (DEVICE, HYPERS, MLP, MODELS, MOVED, SPECS, STEPS, SharedMLP, TORCH_OPTIMIZER,
                              assert_fused_moved,                              assert_params_close, assert_params_equal, describe_line, fused_names,
@@ -40,8 +41,9 @@ def test_every_builtin_has_a_counterpart():
 
 
 
-@pytest.mark.parametrize("model_name", list(MODELS))
-@pytest.mark.parametrize("name", SPECS)
+# The quick tier: every spec on the MLP, AdamW on the Llama too (a Llama run takes 2-3 s in the interpreter).
+@pytest.mark.parametrize(*sweep(("name", SPECS), ("model_name", list(MODELS)),
+                                quick=[f"{name}-mlp" for name in SPECS] + ["adamw-llama"]))
 def test_matches_torch(name, model_name):
     make, batches_of, loss_fn = MODELS[model_name]
     kw = HYPERS[name]
@@ -65,7 +67,12 @@ def test_matches_torch(name, model_name):
         assert int(opt.state[p]["step"]) == steps
 
 
-@pytest.mark.parametrize("model_name", list(MODELS))
+# The tests below on both models keep the MLP in the quick tier: a Llama takes 1-3 s in the interpreter (AdamW's
+# run against torch's in test_matches_torch is the quick tier's Llama).
+MLP_QUICK = [pytest.param(name, marks=() if name == "mlp" else pytest.mark.slow) for name in MODELS]
+
+
+@pytest.mark.parametrize("model_name", MLP_QUICK)
 def test_slab_path_matches_torch(model_name):
     """linear_path="slab" (what "auto" takes for long bf16 batches on CUDA): cuBLAS dW per row slab + the step kernel."""
     make, batches_of, loss_fn = MODELS[model_name]
@@ -195,7 +202,7 @@ def param_groups(model, decay=0.1, no_decay_lr=None):
     return [{"params": decay_params, "weight_decay": decay}, no_decay]
 
 
-@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("model_name", MLP_QUICK)
 def test_param_groups_match_torch(model_name):
     make, batches_of, loss_fn = MODELS[model_name]
     ours = make()
@@ -335,7 +342,8 @@ def load(data: bytes):
 
 @pytest.mark.parametrize(
     "w_dtype, state_dtype, name",
-    [(torch.float32, "fp32", "adamw"), (torch.bfloat16, "int8", "adamw"), (torch.bfloat16, "int8", "nadam")],
+    [(torch.float32, "fp32", "adamw"), (torch.bfloat16, "int8", "adamw"),
+     pytest.param(torch.bfloat16, "int8", "nadam", marks=pytest.mark.slow)],  # the quick tier: int8 state once
     ids=["fp32", "bf16-int8-adamw", "bf16-int8-nadam"],
 )
 def test_state_dict_round_trip_is_bit_identical(w_dtype, state_dtype, name):
@@ -570,7 +578,10 @@ def test_bad_keywords_are_refused_like_torch():
 
 @pytest.mark.parametrize(
     "reentrant, dtype, state_dtype",
-    [(False, torch.float32, "fp32"), (True, torch.float32, "fp32"), (False, torch.bfloat16, "int8")],
+    [(False, torch.float32, "fp32"),
+     # slow: 3-6 s each (reentrant checkpointing on the MLP: test_torch_checkpoint_gives_the_same_parameters)
+     pytest.param(True, torch.float32, "fp32", marks=pytest.mark.slow),
+     pytest.param(False, torch.bfloat16, "int8", marks=pytest.mark.slow)],
     ids=["hf-default", "reentrant", "bf16-int8"])
 def test_hf_activation_checkpointing_gives_the_same_parameters(reentrant, dtype, state_dtype):
     make = lambda seed=0: make_llama(seed, dtype=dtype)  # noqa: E731
@@ -620,7 +631,7 @@ def test_torch_checkpoint_gives_the_same_parameters(reentrant):
     assert len(fused_names(opt2)) == 3
 
 
-@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("model_name", MLP_QUICK)
 def test_no_grad_evaluation_between_steps_changes_nothing(model_name):
     make, batches_of, loss_fn = MODELS[model_name]
     a = make()

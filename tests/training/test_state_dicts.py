@@ -404,7 +404,8 @@ def assert_states_equal(opt_a, opt_b):
             assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k].cpu(), sb[k].cpu()), k
 
 
-@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("flatten", [False, pytest.param(True, marks=pytest.mark.slow)],  # quick: the default
+                         ids=["nested", "flattened"])
 def test_dcp_state_dict_round_trip_keeps_the_metadata(process_group, tmp_path, flatten):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,

@@ -29,6 +29,7 @@ def run_checks(tmp_path, *names: str) -> None:
                        nprocs=WORLD, start_method="spawn")
 
 
+@pytest.mark.slow  # 2 processes, about 2 minutes
 def test_every_spec_and_layout_matches_one_process(tmp_path):
     """8 specs × fp32 / bf16 weights × fp32 / bf16 / int8 / int4 state on a column- then row-parallel MLP (with
     biases): each rank's weights and decoded states within 1e-5 (max-norm relative) of one process's after two
@@ -36,6 +37,7 @@ def test_every_spec_and_layout_matches_one_process(tmp_path):
     run_checks(tmp_path, "check_every_spec_and_layout")
 
 
+@pytest.mark.slow  # 2 processes, about a minute
 def test_llama_plan_checkpoints_refusals_and_unfused_paths(tmp_path):
     """torchtitan's Llama plan (sequence parallel norms, vocabulary-parallel embedding, column-parallel head) and
     forge-bench's plan for a Hugging Face Llama (with activation checkpointing) against one process; stochastic rounding per shard; torch.distributed.checkpoint save on 2 ranks and load on
