@@ -22,11 +22,12 @@ def use_interpreter(command: str) -> None:
     """Set TRITON_INTERPRET=1 for this process.
 
     Raises:
-        RuntimeError: triton is already imported without it (the message says how to run `command`).
+        RuntimeError: triton is already imported without it; the message says to run `command` (the whole
+            command line, e.g. "forge-test --device cpu") with TRITON_INTERPRET=1 set.
     """
     if interpreting():
         return
     if "triton" in sys.modules:
-        raise RuntimeError(f"--device cpu needs TRITON_INTERPRET=1 before triton is imported; "
-                           f"run it as: TRITON_INTERPRET=1 {command} ... --device cpu")
+        raise RuntimeError(f"Triton's interpreter (TRITON_INTERPRET=1) must be chosen before triton is imported, "
+                           f"and something imported triton already; run it as: TRITON_INTERPRET=1 {command}")
     os.environ["TRITON_INTERPRET"] = "1"

@@ -60,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available() or _flag_value(argv, "--device") == "cpu":
         try:
-            use_interpreter("forge-bench")  # before build_parser imports the subcommands (and with them triton)
+            use_interpreter("forge-bench ... --device cpu")  # before build_parser imports the subcommands (and with them triton)
         except RuntimeError as err:
             raise SystemExit(str(err)) from None
     args = build_parser().parse_args(argv)

@@ -60,7 +60,7 @@ def _main(args) -> int:
         raise UsageError("--device cuda: no CUDA device here (use --device cpu)")
     if args.device == "cpu" and not args.reference_only:
         try:
-            use_interpreter("forge-test")
+            use_interpreter("forge-test ... --device cpu")
         except RuntimeError as err:
             raise UsageError(str(err)) from None
     if args.steps is not None and args.steps < 1:

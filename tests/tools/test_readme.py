@@ -181,3 +181,13 @@ def test_your_own_optimizer_commands_work_as_written(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stderr
     assert Path(check.stdout.strip()) == tmp_path / "adabelief.py"
+
+
+def test_a_program_that_imports_triton_first_is_told_how_to_run():
+    """`use_interpreter` after triton is imported (as a README program would be if it imported transformers
+    first) names the program's own command line, not a CLI flag it does not have."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    program = "import triton\nfrom forge_dsl.interpreter import use_interpreter\nuse_interpreter('python train.py')\n"
+    run = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "run it as: TRITON_INTERPRET=1 python train.py\n" in run.stderr and "--device" not in run.stderr, run.stderr
