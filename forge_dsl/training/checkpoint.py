@@ -2,10 +2,10 @@
 
     sd = opt.state_dict()
     sd["param_groups"][i]["_forge"]   # {"format": 1, "spec": "adamw", "spec_hash": "3f2c...", "state_dtype": "int8",
-                                      #  "rounding": "stochastic", "seed": 0}
+                                      #  "rounding": "stochastic", "seed": 0, "without_state": [[1, 2]]}
     sd["state"][j]                    # {"exp_avg": int8 [N, K], "exp_avg.scale": float32 [N, ceil(K / 64)],
                                       #  "exp_avg_sq": uint8 [N, K], "exp_avg_sq.scale": float32 [N, ceil(K / 64)],
-                                      #  "step": float32 [], "seed": int64 [], <scalar states>: float64 []}
+                                      #  "step": float64 [], "seed": int64 [], <scalar states>: float64 []}
                                       # (state_dtype "int4": "exp_avg" int8 [N, K / 2], "exp_avg_sq" uint8
                                       #  [N, K / 2], two 4-bit codes a byte, the same scales)
 
@@ -25,6 +25,12 @@ layouts, rounding, seed), each param group's hyperparameters, and for every para
 (the states its group's flags create, their int8 scales, `step`, `seed`, the scalar states, nothing else),
 each state's dtype against the layout it was saved with (`forge_dsl.api.state_layout`,
 `forge_dsl.kernels.layouts.resolve_layout`), its shape against the parameter's, `step` and `seed` whole numbers.
+
+A parameter without state (never stepped) has no entry in "state", as in torch's state dicts; an entry lost
+after saving looks the same. The metadata tells them apart: "without_state" lists, as [group, position in the
+group], the parameters the saving optimizer had no state for (`without_state`); a parameter missing from
+"state" and not listed is refused (or, with `strict=False`, starts from fresh state and is named in
+`Loaded.lost`). A dict whose metadata has no list (written before it) cannot tell, and loads as it did.
 """
 
 from __future__ import annotations
@@ -54,11 +60,16 @@ from ..spec import ir
 from ..spec.keywords import check_seed, resolve_hypers
 from ..spec.printer import print_spec
 
-__all__ = ["META_KEY", "FORMAT", "metadata", "check_state_dict", "Loaded", "spec_digest", "held_layouts"]
+__all__ = ["META_KEY", "FORMAT", "STEP_DTYPE", "metadata", "without_state", "check_state_dict", "Loaded",
+           "spec_digest", "held_layouts"]
 
 # The param-group key of the metadata. A leading underscore: no spec keyword can be named so (checker.check_name).
 META_KEY = "_forge"
 FORMAT = 1  # raised when what a state dict holds changes meaning
+# The dtype of each state's `step` counter: exact to 2**53, where torch.optim's float32 stops counting at 2**24.
+# torch's load_state_dict keeps a step tensor's dtype (but for fused or capturable groups), so torch's AdamW
+# loads these states and counts on in float64; a float32 step (torch's, FORGE's before) loads as float64.
+STEP_DTYPE = torch.float64
 
 
 
@@ -77,6 +88,13 @@ def metadata(spec: ir.Spec, state_dtype: Union[str, Mapping[str, str]], rounding
             "rounding": rounding, "seed": int(seed)}
 
 
+def without_state(param_groups: Sequence[Mapping[str, Any]], state: Mapping) -> list[list[int]]:
+    """[group, position in the group] of each parameter of `param_groups` that has no state (or an empty one) in
+    `state`: the metadata's "without_state" entry (module docstring)."""
+    return [[i, j] for i, group in enumerate(param_groups) for j, p in enumerate(group["params"])
+            if not state.get(p)]
+
+
 @dataclass(frozen=True)
 class Loaded:
     """A checked state dict, ready to replace an optimizer's state (nothing of the optimizer changed yet).
@@ -84,17 +102,20 @@ class Loaded:
     Attributes:
         meta: the metadata (`metadata`'s keys), as saved.
         states: each parameter's new state (per-element states and scales on the parameter's device;
-            `step` float32, `seed` int64 and scalar states float64, 0-dim, on the CPU), copies.
+            `step` `STEP_DTYPE`, `seed` int64 and scalar states float64, 0-dim, on the CPU), copies.
         groups: per param group, the saved entries to set in it (`params` left out, the metadata in).
+        lost: how messages name the parameters whose entries were lost after saving (`strict=False` only):
+            they start from fresh state.
     """
 
     meta: dict
     states: dict
     groups: list
+    lost: list
 
 
 def check_state_dict(spec: ir.Spec, state_dict: Any, param_groups: Sequence[Mapping[str, Any]],
-                     keywords: Iterable[str], names: Mapping[torch.Tensor, str]) -> Loaded:
+                     keywords: Iterable[str], names: Mapping[torch.Tensor, str], strict: bool = True) -> Loaded:
     """Check `state_dict` against an optimizer of `spec` with `param_groups`; see the module docstring.
 
     Args:
@@ -103,6 +124,7 @@ def check_state_dict(spec: ir.Spec, state_dict: Any, param_groups: Sequence[Mapp
         param_groups: the optimizer's live groups (`params`, the spec's keywords, ...).
         keywords: the spec's keyword names (what a param group's hyperparameters are).
         names: parameter names, for messages.
+        strict: refuse a parameter whose entry was lost after saving (False: name it in `Loaded.lost`).
 
     Raises:
         TypeError: `state_dict` is not a mapping with "state" and "param_groups".
@@ -126,6 +148,15 @@ def check_state_dict(spec: ir.Spec, state_dict: Any, param_groups: Sequence[Mapp
     for i, (sg, g) in enumerate(zip(saved_groups, param_groups)):
         for old, p in zip(sg["params"], g["params"]):
             where[old] = (p, i)
+    lost = _lost_entries(meta, saved_groups, param_groups, saved_state, names)
+    if lost and strict:
+        raise ValueError(
+            f"state_dict has no state for {', '.join(lost)}, which the optimizer that saved it had stepped (its FORGE "
+            f"metadata lists the parameters it saved without state, and not {'these' if len(lost) > 1 else 'this one'})"
+            ": the entries were dropped after saving, and loading would restart them at step 1 with fresh state. "
+            "Load the whole dict that ForgeOptimizer.state_dict() wrote, or call "
+            "optimizer.load_state_dict(state_dict, strict=False) to start them from fresh state (it warns)"
+        )
     group_states: list[Optional[frozenset]] = [None] * len(param_groups)
     states: dict = {}
     for old, values in saved_state.items():
@@ -134,15 +165,36 @@ def check_state_dict(spec: ir.Spec, state_dict: Any, param_groups: Sequence[Mapp
         p, i = where[old]
         if group_states[i] is None:
             group_states[i] = _created_states(spec, {**param_groups[i], **saved_groups[i]}, keywords, i)
-        label = f"parameter '{names[p]}'" if p in names else f"parameter {old!r} (group {i})"
-        states[p] = _checked_state(spec, values, p, label, group_states[i], state_dtype)
+        states[p] = _checked_state(spec, values, p, _label(p, old, i, names), group_states[i], state_dtype)
 
     groups = []
     for sg in saved_groups:
         values = {k: v for k, v in sg.items() if k != "params"}
         values[META_KEY] = metadata(spec, state_dtype, meta["rounding"], meta["seed"])
         groups.append(values)
-    return Loaded(meta, states, groups)
+    return Loaded(meta, states, groups, lost)
+
+
+def _label(p: torch.Tensor, saved_id: Any, group: int, names: Mapping[torch.Tensor, str]) -> str:
+    return f"parameter '{names[p]}'" if p in names else f"parameter {saved_id!r} (group {group})"
+
+
+def _lost_entries(meta: Mapping[str, Any], saved_groups: Sequence[Mapping], param_groups: Sequence[Mapping],
+                  saved_state: Mapping, names: Mapping[torch.Tensor, str]) -> list[str]:
+    """The parameters missing from "state" that the metadata's "without_state" does not list (module docstring),
+    as messages name them; none where the metadata has no list."""
+    listed = meta.get("without_state")
+    if listed is None:
+        return []
+    try:
+        stateless = {(int(i), int(j)) for i, j in listed}
+    except (TypeError, ValueError):
+        raise ValueError(f"state_dict's FORGE metadata has without_state {listed!r}; expected a list of "
+                         "[group, position] pairs, as ForgeOptimizer.state_dict() writes") from None
+    return [_label(p, old, i, names)
+            for i, (sg, g) in enumerate(zip(saved_groups, param_groups))
+            for j, (old, p) in enumerate(zip(sg["params"], g["params"]))
+            if old not in saved_state and (i, j) not in stateless]
 
 
 def _find_metadata(spec: ir.Spec, state_dict: Mapping[str, Any], saved_groups: Sequence[Mapping]) -> dict:
@@ -283,7 +335,7 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
         if key not in values:
             raise ValueError(f"state_dict's state of {label} has no '{key}'; a ForgeOptimizer state keeps its step "
                              "count and rounding seed beside its states")
-    out["step"] = _number(values["step"], f"step of {label}", torch.float32)
+    out["step"] = _number(values["step"], f"step of {label}", STEP_DTYPE)
     step = float(out["step"])
     if not (step >= 0 and step == int(step) and step != float("inf")):
         raise ValueError(f"state_dict's step of {label} is {step}; a step count is a whole number, at least 0")

@@ -3,6 +3,7 @@
     forge_dsl.fuse(model)                                   marks a model for an optimizer built from its parameters
     found = candidates(model)                               every parameter, with its module and refusal
     forwards, heads = attach(stepper, params, found, ...)   installs a `FusedForward` on each fusable module
+    old = fuse_replacement(stepper, p)                      fuses `p` where it replaced a fused module's weight
     detach(stepper, heads)                                  gives every module back its own forward
 
 A weight is fused when it belongs to an nn.Linear or nn.Embedding that `fusion_refusal` accepts, is used by one
@@ -25,8 +26,8 @@ from .embedding import fusion_refusal as embedding_refusal
 from .linear import fused_forward, linear_refusal
 from .weight import FusedForward, FusedWeight, forward_of
 
-__all__ = ["Candidate", "attach", "candidates", "detach", "fuse", "fusion_refusal", "head_loss_model", "marked",
-           "restore_all"]
+__all__ = ["Candidate", "attach", "candidates", "detach", "fuse", "fuse_replacement", "fusion_refusal",
+           "head_loss_model", "marked", "restore_all"]
 
 
 def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
@@ -182,6 +183,28 @@ def attach(stepper, params: Iterable[torch.nn.Parameter], found: dict[int, Candi
     sink_for = functools.partial(_head_sink, weakref.ref(stepper))
     installs = [hf_head.install(model, sink_for) for model in heads]  # checked before: no raise
     return forwards, installs
+
+
+def fuse_replacement(stepper, p: torch.nn.Parameter) -> Optional[FusedWeight]:
+    """Fuse `p` (just added to `stepper`'s optimizer) where it replaced the weight of a fused module
+    (`module.weight = nn.Parameter(new)`): the module's installed forward runs a new handle of `p` from now on, and
+    the old weight's handle leaves the optimizer's fused weights. Only where `p` is the weight of exactly one of
+    them (a weight tied to several modules is stepped from its summed `.grad`), requires grad, and its mesh is
+    one FORGE fuses. Returns the old weight's handle, or None (nothing changed: `p` is stepped from `.grad`)."""
+    weights = stepper.progress.weights
+    holders = [h for h in weights.values() if h.replaced and h.module_ref().weight is p]
+    if len(holders) != 1 or not p.requires_grad or tensor_parallel.mesh_refusal(p, holders[0].name) is not None:
+        return None
+    old = holders[0]
+    module = old.module_ref()
+    forward = forward_of(module)
+    if forward is None or forward.handle is not old:
+        return None
+    handle = FusedWeight(stepper, module, old.name)
+    forward.handle = handle
+    del weights[old.weight_ref()]
+    weights[p] = handle
+    return old
 
 
 def detach(stepper, head_installs: list) -> None:

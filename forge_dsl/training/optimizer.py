@@ -32,7 +32,15 @@ incomplete (it warns), after which training goes on.
 Exactness rules (each refused loudly when it cannot hold):
   * a weight used by several modules (tied embeddings) is never fused; a
     Linear called several times in one forward pass (a shared layer) returns
-    its dW to autograd for that step and is stepped unfused, exactly;
+    its dW to autograd for that step and is stepped unfused, exactly; two
+    parameters that share memory (`nn.Parameter(w.data)`, overlapping views)
+    are refused at construction and by `add_param_group`;
+  * a module whose weight was replaced (`module.weight = nn.Parameter(new)`)
+    runs its own forward: the new weight gets a `.grad` as under torch, and
+    `add_param_group` of it fuses it in its module again;
+  * a step is checked whole before its first update (`ParamStepper.check_step`:
+    every group's hyperparameters, parameters that changed shape or went to
+    the meta device): a refused step changes no weight;
   * gradient accumulation raises: a forward with gradients through a fused
     weight after its update and before `step()` (or a second backward through
     it) is refused, because this step's update already happened;
@@ -71,6 +79,27 @@ from .installer import fuse
 from .stepper import INITIAL_KEY, ParamStepper, group_hypers, initial_value_hypers
 
 __all__ = ["ForgeOptimizer", "fuse"]
+
+
+def _overlapping_pair(params: list) -> Optional[tuple[tuple[int, torch.Tensor], tuple[int, torch.Tensor]]]:
+    """Two of `params` (with their indices) whose bytes overlap in memory, or None: each one's span, from its first
+    element's address to its last's (its local shard under tensor parallelism), compared on its device."""
+    spans = []
+    for i, p in enumerate(params):
+        t = tensor_parallel.local(p)
+        if t.numel() == 0 or t.is_meta:
+            continue
+        start = t.data_ptr()
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        spans.append((str(t.device), start, start + (last + 1) * t.element_size(), i, p))
+    spans.sort(key=lambda span: span[:2])
+    reach = None  # the span reaching furthest so far on this device
+    for span in spans:
+        if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
+            return (reach[3], reach[4]), (span[3], span[4])
+        if reach is None or reach[0] != span[0] or span[2] > reach[2]:
+            reach = span
+    return None
 
 
 class _Stepped:
@@ -185,7 +214,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             resolve_hypers(self.spec, group_hypers(group, self._keywords), caller="ForgeOptimizer")  # validate early
-        self._stepper = ParamStepper(self.spec, self.state, self._keywords, state_dtype=state_dtype,
+        self._stepper = ParamStepper(self.spec, self.state, self.param_groups, self._keywords, state_dtype=state_dtype,
                                      rounding=rounding, seed=check_seed(seed), linear_path=linear_path)
         for group in self.param_groups:
             for p in group["params"]:
@@ -200,8 +229,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
                               "memory saving). Call forge_dsl.fuse(model) before building the optimizer, or pass "
                               "the model itself.", stacklevel=2)
         self._names = {p: candidates[id(p)].name for p in self._param_index if id(p) in candidates}
+        self._stepper.names = self._names
         for p in self._param_index:
             self._check_param(p)
+        self._check_own_memory(list(self._param_index))
         if fuse:
             heads = [model] if lm_head_loss else []
             if model is None:
@@ -256,29 +287,65 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 raise ValueError(refusal)
             self._stepper.shard_of[p] = tensor_parallel.shard_index(p)
 
+    def _check_own_memory(self, params: list) -> None:
+        """Refuse two of `params` whose memory overlaps (one buffer under two Parameters: `nn.Parameter(w.data)`,
+        views of one tensor): each update is applied in place, so one would change the other's weight behind
+        it (a fused layer's update inside backward, before another layer's backward reads the memory)."""
+        pair = _overlapping_pair(params)
+        if pair is None:
+            return
+        a, b = (f"'{self._names[p]}'" if p in self._names else f"#{i} (in the groups' order)" for i, p in pair)
+        raise ValueError(
+            f"parameters {a} and {b} share memory (one is nn.Parameter(w.data) of the other, or they are views of "
+            "one tensor): FORGE updates each in place, one inside backward before the other's backward reads it, "
+            "so neither would get torch's update. A weight that two modules use must be one Parameter: tie them "
+            "(second_module.weight = first_module.weight, as tied embeddings are), which FORGE steps once from the "
+            "summed gradient, exactly; or give each its own memory (nn.Parameter(w.detach().clone()))"
+        )
+
     def detach(self) -> None:
         """Give every fused Linear back the forward it had (the model then trains with any optimizer); the
         parameters left are stepped from `.grad` in `step()`."""
         installer.detach(self._stepper, self._head_installs)
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's `add_param_group`; parameters added after construction are stepped from `.grad` in `step()`."""
+        """torch's `add_param_group`, checked whole before the optimizer changes (a group refused is not added).
+        A parameter that replaced the weight of one fused module (`module.weight = nn.Parameter(new)`) is fused
+        in its module in place of the old one (`installer.fuse_replacement`); the others are stepped from
+        `.grad` in `step()`."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        cfg = resolve_hypers(self.spec, group_hypers(group, self._keywords), caller="ForgeOptimizer")
+        try:
+            cfg = resolve_hypers(self.spec, group_hypers(group, self._keywords), caller="ForgeOptimizer")
+            if hasattr(self, "_stepper"):  # else called by torch.optim.Optimizer.__init__: checked there
+                for p in group["params"]:
+                    self._check_param(p)
+                self._check_own_memory([*self._param_index, *group["params"]])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
         # Initial values that read hyperparameters (`scalar base_lr = lr`) take them as they are now, before
         # any LR schedule changes the group: torch optimizers that keep a base value read it at construction.
         group.setdefault(INITIAL_KEY, {name: cfg.hypers[name] for name in initial_value_hypers(self.spec)})
-        if not hasattr(self, "_stepper"):  # called by torch.optim.Optimizer.__init__: taken there
+        if not hasattr(self, "_stepper"):
             return
         for p in group["params"]:
-            self._check_param(p)
             self._stepper.add(p, group)
+            replaced = installer.fuse_replacement(self._stepper, p)
+            if replaced is not None:
+                self._names[p] = replaced.name
+                self._unfused_reason[replaced.weight_ref()] = "replaced in its module by a Parameter added later"
 
     # -- the update --------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """Step every parameter that has a `.grad` (the fused weights were stepped in backward)."""
+        """Step every parameter that has a `.grad` (the fused weights were stepped in backward), after checking
+        that the whole step can be applied (`ParamStepper.check_step`).
+
+        torch.optim's step hooks (`register_step_pre_hook`, `register_step_post_hook`, and the global
+        `torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`) run around this call, as
+        torch runs them: a pre-hook runs after the fused weights' updates of this step (in backward), before
+        the other parameters' updates."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -292,6 +359,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                           "Call optimizer.zero_grad() and run the batch again.", RuntimeWarning, stacklevel=2)
             progress.end()
             return loss
+        self._stepper.check_step()
         for group in self.param_groups:
             hypers = self._stepper.group_hypers(group)
             shared: dict[tuple, list[torch.nn.Parameter]] = {}  # (step, shared_launch_key, shard) -> params
@@ -299,9 +367,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 handle = progress.weights.get(p)
                 if handle is not None and handle.updated:
-                    if not isinstance(p.grad, ConsumedGrad):
+                    if p.grad is not None and not isinstance(p.grad, ConsumedGrad):
                         raise RuntimeError(f"'{handle.name}': " + OUTSIDE_USE_MESSAGE)
-                    continue  # its step counter moved with its update
+                    continue  # its step counter moved with its update (a zero_grad() since cleared its .grad)
                 if p.grad is None or isinstance(p.grad, ConsumedGrad):
                     continue
                 if handle is not None:  # fused, but not through its module's forward this step
@@ -323,6 +391,19 @@ class ForgeOptimizer(torch.optim.Optimizer):
         progress.end()
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's `zero_grad`. Between a backward and `step()` it warns: the fused weights were updated inside
+        that backward, which no zero_grad undoes; the other gradients are cleared, so `step()` steps none of
+        them, as torch's `step()` after `zero_grad()` steps nothing."""
+        updated, _ = self._stepper.progress.updated_count()
+        super().zero_grad(set_to_none)
+        if updated:
+            warnings.warn(
+                f"zero_grad() after backward and before step(): the {updated} fused weights were already updated "
+                "inside that backward (an update zero_grad() cannot undo); the other gradients are cleared, so "
+                "step() steps none of them. To skip a batch, decide before loss.backward(); otherwise call "
+                "zero_grad() after step() or before backward.", RuntimeWarning, stacklevel=2)
+
     # -- reporting and checkpoints -----------------------------------------
     def describe(self) -> str:
         """Which weights are updated inside backward, and why the others are not; the state layout asked for
@@ -335,10 +416,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         held = checkpoint.held_layouts(self.spec, self.state.values())
         if held is not None:
             lines.append(f"  state held: {held}")
-        fused = [h.name for h in self._handles.values() if not h.shared and not h.bypassed and h.plain_reason is None]
-        shared = [h.name for h in self._handles.values() if h.shared]
-        plain = [h for h in self._handles.values() if h.plain_reason is not None and not h.shared]
-        bypassed = [h.name for h in self._handles.values() if h.bypassed]
+        handles = [h for h in self._handles.values() if not h.replaced]
+        replaced = [h.name for h in self._handles.values() if h.replaced]
+        fused = [h.name for h in handles if not h.shared and not h.bypassed and h.plain_reason is None]
+        shared = [h.name for h in handles if h.shared]
+        plain = [h for h in handles if h.plain_reason is not None and not h.shared]
+        bypassed = [h.name for h in handles if h.bypassed]
         lines.append(f"  fused in backward ({len(fused)}): " + (", ".join(fused) or "none"))
         for install in self._head_installs:
             lines.append(f"  loss without logits (forge_dsl.training.hf_head): {install.describe()}")
@@ -349,6 +432,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
                          f"linear cross-entropy), stepped from .grad ({len(bypassed)}): " + ", ".join(bypassed))
         for h in plain:
             lines.append(f"  unfused in the last step, {h.plain_reason}: {h.name}")
+        if replaced:
+            lines.append(f"  unfused, its module's weight was replaced (module.weight = nn.Parameter(...)): the new "
+                         f"one trains from .grad, stepped where this optimizer holds it (add_param_group fuses it "
+                         f"again) ({len(replaced)}): " + ", ".join(replaced))
         for p, why in self._unfused_reason.items():
             lines.append(f"  unfused, {why}: {self._names.get(p, '?')}")
         rest = [self._names.get(p, "?") for p in self._param_index if p not in self._handles and p not in
@@ -358,35 +445,67 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's state dict; each param group carries `checkpoint.META_KEY`: the spec, its hash, the state
-        layout, rounding and seed, which `load_state_dict` checks the states against (forge_dsl/training/checkpoint.py
-        says why it sits in the groups: torch.distributed.checkpoint keeps them)."""
+        layout, rounding and seed, and which parameters have no state, which `load_state_dict` checks the states
+        against (forge_dsl/training/checkpoint.py says why it sits in the groups: torch.distributed.checkpoint
+        keeps them). torch's state_dict hooks run as torch runs them; the post-hooks see the finished dict."""
         for group in self.param_groups:
             group[checkpoint.META_KEY] = self._stepper.checkpoint_metadata()
-        sd = super().state_dict()
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(post_hooks)()  # run below, on the finished dict
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
+        without_state = checkpoint.without_state(self.param_groups, self.state)
         for group in sd["param_groups"]:  # not the live groups' dicts: a caller may edit what it got
-            group[checkpoint.META_KEY] = self._stepper.checkpoint_metadata()
+            group[checkpoint.META_KEY] = {**self._stepper.checkpoint_metadata(), "without_state": without_state}
         for index, p in enumerate(self._param_index):  # torch numbers parameters in the groups' order
             if tensor_parallel.is_dtensor(p) and index in sd["state"]:  # sharded state: DTensors of p's mesh
                 layouts = tensor_parallel.global_layouts(self.spec, p, self.state_dtype)
                 sd["state"][index] = tensor_parallel.global_state(p, self.state[p], layouts)
+        for hook in post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load a `state_dict()` after checking all of it (`checkpoint.check_state_dict`: spec, layouts, dtypes,
-        shapes, step, seed): a dict that does not match raises ValueError saying why and what to do, and leaves
-        the optimizer as it was. States keep their saved layouts (int8 codes, fp32 scales) and move to their
-        parameter's device; step, seed and scalar states stay on the CPU, where `init_state` makes them. The
-        saved state layout, rounding and seed become this optimizer's (for parameters without state yet)."""
-        loaded = checkpoint.check_state_dict(self.spec, state_dict, self.param_groups, self._keywords, self._names)
+        shapes, step, seed, no entry lost): a dict that does not match raises ValueError saying why and what to
+        do, and leaves the optimizer as it was. States keep their saved layouts (int8 codes, fp32 scales) and move
+        to their parameter's device; step, seed and scalar states stay on the CPU, where `init_state` makes them.
+        The saved state layout, rounding and seed become this optimizer's (for parameters without state yet).
+
+        A parameter the saving optimizer had stepped but whose entry is missing from "state" (deleted after
+        saving) is refused; `strict=False` warns instead and starts it from fresh state. One it never stepped
+        has no entry, as in torch's state dicts, and loads without state (checkpoint.py's docstring says how
+        they are told apart). torch's load_state_dict hooks run as torch runs them: a pre-hook gets a shallow
+        copy of `state_dict` and may return the dict to load; the post-hooks run after loading."""
+        if isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)  # shallow copy, as torch's
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        loaded = checkpoint.check_state_dict(self.spec, state_dict, self.param_groups, self._keywords, self._names,
+                                             strict=strict)
+        if loaded.lost:
+            warnings.warn(f"load_state_dict(strict=False): state_dict has no state for {', '.join(loaded.lost)}, "
+                          "which the optimizer that saved it had stepped; they start from fresh state (step 0)",
+                          UserWarning, stacklevel=2)
         for p, values in loaded.states.items():
             if tensor_parallel.is_dtensor(p):  # this rank's shard of each state, whatever the saved placements
                 for key, t in values.items():
                     values[key] = tensor_parallel.local_state(p, key, t)
         self.state.clear()
         self.state.update(loaded.states)
+        self._stepper.state_shapes.clear()
+        self._stepper.state_shapes.update((p, p.shape) for p in loaded.states)
         for group, values in zip(self.param_groups, loaded.groups):
             group.update(values)
         meta = loaded.meta
         self.state_dtype = meta["state_dtype"]
         self.rounding = meta["rounding"]
         self.seed = meta["seed"]
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)

@@ -7,8 +7,9 @@
     stepper.from_grad(p, grad, group) / stepper.flat(...) an update from a gradient, in `step()`
 
 Each parameter's state is made at its first update (`state_for`, from `api.init_state` in the layout asked
-for), with a `step` counter that moves with every update and a stochastic-rounding `seed` of its own
-(`param_seed`). The fused weights' handles (`weight.FusedWeight`) call the first three methods, and only
+for), with a `step` counter that moves with every update (`checkpoint.STEP_DTYPE`) and a stochastic-rounding
+`seed` of its own (`param_seed`). Before the first update of a step, `check_step` refuses a step that could not
+be applied whole. The fused weights' handles (`weight.FusedWeight`) call the first three methods, and only
 those; the optimizer calls the others.
 """
 
@@ -23,8 +24,9 @@ from ..kernels.foreach import _step_flat
 from ..kernels.steps import ParamUpdate, linear_step, mix_seed
 from ..kernels.steps import step as elementwise_step
 from ..spec import ir
+from ..spec.keywords import resolve_hypers
 from . import checkpoint, tensor_parallel
-from .weight import StepProgress
+from .weight import StepProgress, meta_refusal
 
 __all__ = ["ParamStepper", "INITIAL_KEY", "group_hypers", "initial_value_hypers"]
 
@@ -54,22 +56,28 @@ class ParamStepper:
     Attributes:
         spec: the loaded spec.
         state: the optimizer's `state` (torch's defaultdict: parameter -> its state dict), shared with it.
+        param_groups: the optimizer's `param_groups` (the list itself, shared with it).
         keywords: the spec's keywords, what `group_hypers` reads from a param group.
         param_index: parameter -> its index in the optimizer's groups (what its seed is drawn from).
         group_of: parameter -> its param group.
+        names: parameter -> its name in the model, where the optimizer knows it (for messages).
+        state_shapes: parameter -> its shape when its state was made or loaded (`check_step` compares).
         shard_of: a DTensor parameter -> the shard this rank holds (its rounding bits differ by shard).
         state_dtype, rounding, seed, linear_path: as `ForgeOptimizer` takes them (a loaded state dict sets the
             first three).
         progress: the step's state machine, shared with the fused weights.
     """
 
-    def __init__(self, spec: ir.Spec, state: MutableMapping, keywords: frozenset, *,
+    def __init__(self, spec: ir.Spec, state: MutableMapping, param_groups: list, keywords: frozenset, *,
                  state_dtype: Union[str, Mapping[str, str]], rounding: str, seed: int, linear_path: str) -> None:
         self.spec = spec
         self.state = state
+        self.param_groups = param_groups
         self.keywords = keywords
         self.param_index: dict[torch.nn.Parameter, int] = {}
         self.group_of: dict[torch.nn.Parameter, dict] = {}
+        self.names: Mapping[torch.nn.Parameter, str] = {}
+        self.state_shapes: dict[torch.nn.Parameter, torch.Size] = {}
         self.shard_of: dict[torch.nn.Parameter, Optional[int]] = {}
         self.state_dtype = state_dtype
         self.rounding = rounding
@@ -85,6 +93,65 @@ class ParamStepper:
     def group_hypers(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """The spec's keywords in a param group (`group_hypers`)."""
         return group_hypers(group, self.keywords)
+
+    def label(self, p: torch.Tensor) -> str:
+        """How a message names `p`: by its name in the model, else by its index and param group."""
+        name = self.names.get(p)
+        if name is not None:
+            return f"parameter '{name}'"
+        group = next(i for i, g in enumerate(self.param_groups) if g is self.group_of[p])
+        return f"parameter {self.param_index[p]} (param group {group})"
+
+    def check_step(self) -> None:
+        """Refuse a step that could not be applied whole, before its first update changes any weight (called by
+        the first fused update of a step, in backward, and by every `step()`): a param group whose
+        hyperparameters are no longer valid (an LR schedule that wrote a NaN), a parameter on the meta device,
+        or one whose shape changed since its state was made.
+
+        Raises:
+            ValueError: naming the param group and its keyword, or the parameter, and what to do.
+        """
+        for i, group in enumerate(self.param_groups):
+            try:
+                resolve_hypers(self.spec, self.group_hypers(group), caller="step")
+            except (TypeError, ValueError) as err:
+                raise ValueError(self._refusal(f"param group {i}: {err}", f"set a valid value in "
+                                               f"optimizer.param_groups[{i}] (a learning-rate schedule's bug?)")
+                                 ) from None
+        for p in self.param_index:
+            if p.is_meta:
+                raise ValueError(meta_refusal(self.label(p)))
+            shape = self.state_shapes.get(p)
+            if shape is None or shape == p.shape:
+                continue
+            held = [s.name for s in self.spec.states if s.name in self.state.get(p, ())]
+            if held:  # per-element states of the old shape (a spec without any keeps only step and seed)
+                raise ValueError(self._refusal(
+                    f"{self.label(p)} changed shape from {tuple(shape)} to {tuple(p.shape)} since its optimizer "
+                    f"state was made: its state ({', '.join(held)}) no longer fits it",
+                    "give it back its shape, or start it from fresh state (del optimizer.state[p], p the "
+                    "parameter; or build a new optimizer)"))
+        self.progress.step_checked = True
+
+    def _refusal(self, what: str, fix: str) -> str:
+        """A refusal of `check_step`: `what` is wrong, what the step left as it was, `fix` and how to go on."""
+        updated, _ = self.progress.updated_count()
+        if updated == 0:
+            return f"{what}. No weight was updated in this step: {fix}, call optimizer.zero_grad() and run the " \
+                   "batch again"
+        return (f"{what}. The {updated} fused weights updated in the last backward keep their update and no other "
+                f"parameter was stepped: {fix}, then call optimizer.step() again to step the others")
+
+    def _check_first_update(self) -> None:
+        """Before a fused update: `check_step` where it is the step's first; a refused step is closed (nothing
+        of it was applied), so that the batch can run again."""
+        if self.progress.step_checked:
+            return
+        try:
+            self.check_step()
+        except ValueError:
+            self.progress.end()
+            raise
 
     def checkpoint_metadata(self) -> dict:
         """What this optimizer's states are, as `state_dict()` records it in each param group."""
@@ -110,7 +177,8 @@ class ParamStepper:
                 layout = tensor_parallel.state_layouts(self.spec, p, self.state_dtype)
             state.update(init_state(self.spec, tensor_parallel.local(p), layout=layout,
                                     initial_hypers=group.get(INITIAL_KEY), **hypers))
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.tensor(0.0, dtype=checkpoint.STEP_DTYPE)
+            self.state_shapes[p] = p.shape
             # a group with state carries its checkpoint metadata from now on (forge_dsl/training/checkpoint.py: why)
             group.setdefault(checkpoint.META_KEY, self.checkpoint_metadata())
             state["seed"] = torch.tensor(self.param_seed(p), dtype=torch.int64)
@@ -120,6 +188,7 @@ class ParamStepper:
     def linear(self, weight: torch.nn.Parameter, x: torch.Tensor, dy: torch.Tensor) -> None:
         """One fused layer's update inside backward, from x [..., K] and dy [..., N]; its step counter moves
         with it, so the optimizer's state is consistent whatever interrupts the backward after it."""
+        self._check_first_update()
         group = self.group_of[weight]
         hypers = self.group_hypers(group)
         state = self.state_for(weight, group, hypers)
@@ -133,6 +202,7 @@ class ParamStepper:
 
     def begin_rows(self, weight: torch.nn.Parameter) -> ParamUpdate:
         """One step of a fused weight whose gradient comes in blocks of rows (`FusedWeight.begin`)."""
+        self._check_first_update()
         group = self.group_of[weight]
         hypers = self.group_hypers(group)
         state = self.state_for(weight, group, hypers)

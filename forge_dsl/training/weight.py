@@ -13,7 +13,9 @@ interrupted backward left open (`close_interrupted`).
 
 A handle asks its optimizer only through the stepper's public methods (`stepper.linear`, `begin_rows`,
 `finish_rows`), held weakly: once the optimizer is gone its handles are `detached`, and the installed forward
-gives the module back its own.
+gives the module back its own. A module whose weight was replaced (`module.weight = nn.Parameter(...)`) runs its
+own forward while the handle holds the old weight (`FusedWeight.replaced`): the new weight gets a `.grad` as
+under torch.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from . import tensor_parallel
 from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad, consumed_grad
 
 __all__ = ["FusedWeight", "FusedForward", "StepProgress", "base_forward", "forward_of", "handle_by_id",
-           "instance_forward_refusal", "is_dormant_forward", "rows_of"]
+           "instance_forward_refusal", "is_dormant_forward", "meta_refusal", "rows_of"]
 
 _MISSING = object()
 
@@ -45,6 +47,7 @@ class StepProgress:
     def __init__(self) -> None:
         self.weights: dict[torch.nn.Parameter, FusedWeight] = {}
         self.backward_open = False
+        self.step_checked = False  # `ParamStepper.check_step` passed in this step
 
     def open_backward(self) -> None:
         """A fused update runs in the current backward (the stepper says so once the weight's state exists)."""
@@ -110,6 +113,7 @@ class StepProgress:
     def end(self) -> None:
         """The step is over (`ForgeOptimizer.step()`): every fused weight may be used again."""
         self.backward_open = False
+        self.step_checked = False
         for handle in self.weights.values():
             handle.forward_uses = 0
             handle.updated = False
@@ -154,6 +158,13 @@ class FusedWeight:
     def detached(self) -> bool:
         """Whether its optimizer is gone (its module then runs its own forward again)."""
         return self.stepper_ref() is None
+
+    @property
+    def replaced(self) -> bool:
+        """Whether its module's weight is no longer this handle's (`module.weight = nn.Parameter(...)`, or
+        `model.to("meta")`, which makes new Parameters): the module then runs its own forward."""
+        module = self.module_ref()
+        return module is not None and module.weight is not self.weight_ref()
 
     def note_forward(self) -> None:
         """A forward with gradients through this weight's layer (`StepProgress.note_forward`)."""
@@ -286,10 +297,16 @@ class FusedForward:
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         module = self.module_ref()
-        if self.handle.detached:  # its optimizer is gone: the plain module again
+        handle = self.handle
+        if handle.detached:  # its optimizer is gone: the plain module again
             self.restore()
             return base_forward(module)(module, input)
-        return self.run(module, self.handle, input)
+        weight = module.weight
+        if weight.is_meta and torch.is_grad_enabled() and weight.requires_grad:
+            raise RuntimeError(meta_refusal(f"'{handle.name}'"))
+        if weight is not handle.weight_ref():  # replaced: trained as any parameter, from its .grad
+            return base_forward(module)(module, input)
+        return self.run(module, handle, input)
 
     def restore(self) -> None:
         """Give the module back the forward it had before it was fused."""
@@ -303,6 +320,15 @@ class FusedForward:
     def __reduce__(self):
         module = self.module_ref()
         return functools.partial, (base_forward(module), module)
+
+
+def meta_refusal(label: str) -> str:
+    """The message for a parameter (`label`: how the message names it) on the meta device, mid-run."""
+    return (f"{label} is on the meta device, which holds no data: the model was moved with model.to('meta') (or "
+            "a parameter's .data was replaced) after its optimizer was made. model.to('meta') and "
+            "model.to_empty() give every module new Parameters, which this optimizer does not hold: materialize "
+            "the model (model.to_empty(device=...), then load its weights), build a new optimizer for it and load "
+            "this one's state_dict() into it")
 
 
 def forward_of(module: torch.nn.Module) -> Optional[FusedForward]:

@@ -95,7 +95,8 @@ def test_every_param_group_carries_the_metadata():
     assert set(sd) == {"state", "param_groups"}
     for group in sd["param_groups"]:
         assert group[KEY] == {"format": 1, "spec": "adamw", "spec_hash": checkpoint.spec_digest(opt.spec),
-                              "state_dtype": "int8", "rounding": "nearest", "seed": 11}
+                              "state_dtype": "int8", "rounding": "nearest", "seed": 11,
+                              "without_state": [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2], [1, 3]]}
     sd["param_groups"][0][KEY]["seed"] = 12  # what the caller got is its own
     assert opt.state_dict()["param_groups"][0][KEY]["seed"] == 11
 
@@ -138,7 +139,8 @@ def test_loaded_layout_seed_and_rounding_become_the_optimizers():
     before = opt2.describe()
     assert "state fp32" in before and "state held" not in before
     del sd["state"][5]  # the LayerNorm bias ([96]): it gets its first state after loading
-    opt2.load_state_dict(round_trip(sd))
+    with pytest.warns(UserWarning, match=r"strict=False.*parameter '1.bias'.*fresh state"):
+        opt2.load_state_dict(round_trip(sd), strict=False)
     assert (opt2.state_dtype, opt2.rounding, opt2.seed) == ("int8", "nearest", 5)
     text = opt2.describe()
     assert "ForgeOptimizer(adamw, state int8, rounding nearest)" in text
@@ -173,7 +175,8 @@ def test_a_checkpoint_with_fp32_scales_loads_and_continues_bit_identically():
     fresh.load_state_dict(model.state_dict())
     opt2 = ForgeOptimizer(fresh, "adamw", model_params=groups(fresh), state_dtype="int8", rounding="nearest",
                           seed=5, lr=1e-2)
-    opt2.load_state_dict(round_trip(sd))
+    with pytest.warns(UserWarning, match=r"strict=False.*parameter '1.bias'"):
+        opt2.load_state_dict(round_trip(sd), strict=False)
     params, params2 = list(model.parameters()), list(fresh.parameters())
     bias = dict(model.named_parameters())["1.bias"]
     opt.state[bias].clear()  # the saving optimizer starts that parameter afresh too
@@ -286,7 +289,7 @@ CORRUPTIONS = {
                       r"step of parameter '0.weight' is 2.5; a step count is a whole"),
     "step-nan": (_set(0, "step", lambda t: t * float("nan")), r"step of parameter '0.weight' is nan"),
     "step-negative": (_set(0, "step", lambda t: -t), r"step of parameter '0.weight' is -2.0"),
-    "step-vector": (_set(0, "step", lambda t: t.repeat(2)), r"step of parameter '0.weight' is a torch.float32 tensor "
+    "step-vector": (_set(0, "step", lambda t: t.repeat(2)), r"step of parameter '0.weight' is a torch.float64 tensor "
                                                              r"of shape \(2,\)"),
     "seed-fraction": (_set(0, "seed", lambda t: t.double() + 0.5), r"seed of parameter '0.weight' must be an integer"),
     "seed-string": (_state_entry(0, "seed", "x"), r"seed of parameter '0.weight' must be an integer, got str 'x'"),
@@ -373,6 +376,88 @@ def test_dict_without_metadata_is_refused():
         del group[KEY]
     with pytest.raises(ValueError, match=r"no FORGE metadata \(the '_forge' entry"):
         trained(steps=0)[1].load_state_dict(sd)
+
+
+# ----------------------------------------------------------------------------
+# An entry lost after saving, a parameter never stepped
+# ----------------------------------------------------------------------------
+
+
+def test_a_lost_state_entry_is_refused_naming_the_parameter(saved):
+    sd = round_trip(saved["int8"])
+    del sd["state"][4]  # '1.weight', the LayerNorm weight: stepped by the optimizer that saved the dict
+    model = make_model(1)
+    opt = ForgeOptimizer(model, "adamw", model_params=groups(model), seed=1)
+    opt.load_state_dict(round_trip(saved["fp32"]))  # some state already: it must survive
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"no state for parameter '1.weight', which the optimizer that saved it "
+                                         r"had stepped.*load_state_dict\(state_dict, strict=False\)"):
+        opt.load_state_dict(sd)
+    assert_unchanged(opt, before)
+    with pytest.warns(UserWarning, match=r"strict=False.*parameter '1.weight'.*fresh state"):
+        opt.load_state_dict(sd, strict=False)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert not opt.state.get(params[4]) and all(opt.state[p] for i, p in enumerate(params) if i != 4)
+
+
+def test_a_parameter_never_stepped_loads_without_state():
+    """torch's state dicts have no entry for a parameter without state; neither do FORGE's, and its metadata
+    says it was never stepped: the dict loads as it is, without a warning."""
+    import warnings
+
+    model = make_model()
+    model[1].bias.requires_grad_(False)  # in its param group, but never gets a gradient
+    _, opt = trained(model=model)
+    sd = round_trip(opt.state_dict())
+    assert 5 not in sd["state"]
+    other = make_model(1)
+    opt2 = ForgeOptimizer(other, "adamw", model_params=groups(other), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt2.load_state_dict(sd)
+    assert not opt2.state.get(other[1].bias) and len(opt2.state) == 6
+
+
+# ----------------------------------------------------------------------------
+# The step counter: exact past 2**24, and torch's AdamW reads it
+# ----------------------------------------------------------------------------
+
+
+def test_the_step_counter_counts_exactly_past_2_to_the_24():
+    """float32, torch.optim's step dtype, has no 2**24 + 1: a float32 counter stops there."""
+    model = make_model(dtype=torch.float32)
+    opt = ForgeOptimizer(model, "adamw", model_params=groups(model), lr=1e-2)
+    train(model, opt, batches(1, torch.float32))
+    sd = opt.state_dict()
+    for state in sd["state"].values():
+        state["step"] = torch.tensor(2 ** 24 + 1, dtype=torch.int64)
+    opt.load_state_dict(sd)
+    train(model, opt, batches(2, torch.float32))
+    steps = [state["step"] for state in opt.state.values()]
+    assert len(steps) == 7 and all(s.dtype == torch.float64 and int(s) == 2 ** 24 + 3 for s in steps), steps
+
+
+def test_a_state_dict_round_trips_through_torch_adamw():
+    """FORGE, then torch.optim.AdamW from FORGE's state dict, then FORGE from torch's: one AdamW run. torch keeps
+    the float64 step as it is, and carries FORGE's metadata and seeds along."""
+    from training_models import assert_params_close
+
+    ours = make_model(dtype=torch.float32)
+    theirs = copy.deepcopy(ours)
+    data = batches(6, torch.float32)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2), data)
+    opt = ForgeOptimizer(ours, "adamw", lr=1e-2)
+    train(ours, opt, data[:2])
+    opt.detach()
+    middle = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    middle.load_state_dict(opt.state_dict())
+    train(ours, middle, data[2:4])
+    assert all(state["step"].dtype == torch.float64 for state in middle.state.values())
+    again = ForgeOptimizer(ours, "adamw", lr=1e-2)
+    again.load_state_dict(middle.state_dict())
+    train(ours, again, data[4:])
+    assert all(int(state["step"]) == 6 for state in again.state.values())
+    assert_params_close(ours, theirs)
 
 
 # ----------------------------------------------------------------------------
