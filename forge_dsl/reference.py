@@ -9,7 +9,7 @@ the parameter's dtype), so parity with torch.optim also checks the lowering.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, MutableMapping, Union
+from typing import Any, Mapping, MutableMapping, Optional, Union
 
 import torch
 
@@ -99,8 +99,8 @@ def scalar_updates(low: Lowered, host: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _host_tensor(x, like: torch.Tensor) -> torch.Tensor:
-    """A host value (Python float or bool) as a 0-dim tensor in `like`'s dtype: a float is rounded to it
-    as the kernels round theirs to fp32 (beyond the dtype's range, to inf)."""
+    """A host value (Python float or bool) as a 0-dim tensor in `like`'s dtype: a float64 rounded once to it,
+    to nearest even, as the kernels round theirs to fp32 (docs/LANGUAGE.md, section 6)."""
     if isinstance(x, bool):
         return torch.tensor(x, dtype=torch.bool, device=like.device)
     return torch.tensor(x, dtype=torch.float64, device=like.device).to(like.dtype)
@@ -128,7 +128,6 @@ _BINARY = {
 _UNARY = {
     "neg": torch.neg,
     "not": torch.logical_not,
-    "recip": torch.reciprocal,
     "sqrt": torch.sqrt,
     "rsqrt": torch.rsqrt,
     "abs": torch.abs,
@@ -163,6 +162,7 @@ def reference_step(
     state: MutableMapping[str, torch.Tensor],
     *,
     step: int,
+    weight_dtype: Optional[torch.dtype] = None,
     **hypers,
 ) -> None:
     """One optimizer step in eager PyTorch, updating `param` and `state` in place.
@@ -173,17 +173,28 @@ def reference_step(
         grad: its gradient, same shape and dtype.
         state: what `forge_dsl.init_state(spec, param, ...)` returned (plain float layouts).
         step: the 1-based number of this step.
+        weight_dtype: the dtype the weight is stored in, where the step computes in `param`'s (a bfloat16 weight
+            run in float32 or float64): the new weight and the spec's `stored(x)` are rounded to it, to nearest
+            even, as the kernels' store does with rounding="nearest" (bit for bit from float32). None: `param`'s
+            dtype, which rounds nothing away. The kernels' stochastic rounding is not reproduced (its bits are
+            a function of the launch: tests/kernels/test_stored.py bounds it).
         **hypers: torch-style keywords (`lr=1e-3, betas=(0.9, 0.999), amsgrad=True`, ...).
 
     Raises:
+        SpecError: the spec is not valid (an `ir.Spec` from `parse_spec` is checked here).
         TypeError: unknown or missing keywords.
-        ValueError: a hyperparameter outside its range, a failed `require`, or
-            tensors that do not match.
+        ValueError: a hyperparameter outside its range, a failed `require`, a state
+            (per element or scalar) missing, or tensors that do not match.
     """
     spec = load_spec(spec)
     cfg = resolve_hypers(spec, hypers, caller="reference_step")
     low = lower(spec, cfg.combo)
     step = check_step(step)
+    if weight_dtype is None:
+        weight_dtype = param.dtype
+    if not (isinstance(weight_dtype, torch.dtype) and weight_dtype.is_floating_point):
+        raise ValueError(f"weight_dtype must be a float torch.dtype (the weight's storage, e.g. torch.bfloat16) or "
+                         f"None, got {weight_dtype!r}")
     if grad.shape != param.shape:
         raise ValueError(f"grad has shape {tuple(grad.shape)} but param has shape {tuple(param.shape)}; they must match")
     for name in low.states:
@@ -198,6 +209,12 @@ def reference_step(
                 f"state '{name}' must be a float tensor shaped like param {tuple(param.shape)}, "
                 f"got {t.dtype} {tuple(t.shape)}; reference_step runs on plain float state"
             )
+    missing = [s.name for s in spec.scalars if s.name not in state]
+    if missing:  # as kernels.step: a state dict without them is not this spec's (init_state creates them)
+        raise ValueError(
+            f"state has no scalar state {', '.join(map(repr, missing))} (needed by {spec.name}); "
+            "create the state with forge_dsl.init_state(spec, param, **hypers)"
+        )
     scalars = {s.name: float(state[s.name]) for s in spec.scalars}
     host = run_host_program(low, cfg.host_inputs, int(step), scalars)
 
@@ -217,9 +234,14 @@ def reference_step(
             return inputs[o.kind]
         return env[o.name]
 
+    def stored(x: torch.Tensor) -> torch.Tensor:
+        """x as the weight's store rounds it: to `weight_dtype`, nearest even (torch's conversion)."""
+        return x.to(weight_dtype).to(param.dtype).expand(param.shape)
+
     for instr in low.elem:
-        env[instr.name] = _elementwise(instr.op, [value(a) for a in instr.args])
-    new_values = [(target, value(o)) for target, o in low.outputs]
+        args = [value(a) for a in instr.args]
+        env[instr.name] = stored(*args) if instr.op == "stored" else _elementwise(instr.op, args)
+    new_values = [(target, stored(value(o)) if target == "param" else value(o)) for target, o in low.outputs]
     for target, v in new_values:
         (param if target == "param" else state[target]).copy_(v)
     for name, v in scalar_updates(low, host).items():

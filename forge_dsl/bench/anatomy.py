@@ -39,6 +39,7 @@ from forge_dsl import kernels
 from forge_dsl.spec.keywords import resolve_hypers
 from forge_dsl.generated import adamw as adamw_module
 from forge_dsl.kernels import TileConfig
+from forge_dsl.kernels.kernel_calls import kernel_host_values
 from forge_dsl.kernels.policy import fused_config, interpreting
 from forge_dsl.kernels.tile_kernels import apply_tile, load_tile
 from forge_dsl.kernels.tile_lib import accumulate_dw, accumulate_dw_halves, tile_at, tile_offsets
@@ -181,6 +182,7 @@ def launch_adamw_ws(x, dy, w, state, cfg, *, seed: int = 1234, programs: int = 0
     T, K = x.shape
     N = dy.shape[1]
     exports, _ = adamw_module.host_v0(resolve_hypers(forge_dsl.load_spec("adamw"), {"lr": 1e-4}).host_inputs, 1, {})
+    exports = kernel_host_values(exports)  # as every launch hands them to a kernel
     programs = min(programs or torch.cuda.get_device_properties(w.device).multi_processor_count,
                    triton.cdiv(N, bn) * triton.cdiv(K, bk))
     adamw_persistent_ws[(programs,)](

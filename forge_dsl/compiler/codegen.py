@@ -219,6 +219,15 @@ _MAX_INT_POWER = 32
 LIB_FUNCTIONS = {"pow": "math_pow", "atan": "math_atan", "atan2": "math_atan2", "tanh": "math_tanh",
                  "erf": "math_erf", "log1p": "math_log1p", "expm1": "math_expm1"}
 
+# The weight's own rounding (forge_dsl/kernels/tile_lib.py, the helper `store_weight` rounds with): `stored(x)`
+# reads the arguments of update_v<i> that say how this element's weight is written.
+STORED_HELPER = "stored_weight"
+_STORED_ARGS = "o_param, seed, W_BF16, STOCHASTIC"
+# The parameters of every update_v<i>, in the order `tile_kernels.apply_tile` passes them: the tiles, the host
+# scalars, then how the weight is written (each element's offset, the rounding key, the weight's format).
+UPDATE_PARAMS = (("b_param", None), ("b_grad", None), ("b_states", None), ("h", None), ("o_param", None),
+                 ("seed", None), ("W_BF16", "tl.constexpr"), ("STOCHASTIC", "tl.constexpr"))
+
 
 def _splat(value: str, like: str) -> str:
     """`value` (a constant or host scalar) in every element of a tile shaped like `like`, exactly
@@ -256,8 +265,6 @@ def _elem_expr(instr: Instr, bool_exports: set[str]) -> str:
         return f"{a[0]} * -1.0"
     if op == "not":
         return f"{a[0]} == 0"
-    if op == "recip":
-        return f"1.0 / {a[0]}"
     if op in ("sqrt", "rsqrt", "abs", "exp", "log"):
         return f"tl.{op}({a[0]})"
     if op == "sign":  # NaN stays NaN, +-0 stays +-0
@@ -275,6 +282,9 @@ def _elem_expr(instr: Instr, bool_exports: set[str]) -> str:
         return _pow_expr(instr, a)
     if op in LIB_FUNCTIONS:
         return f"{LIB_FUNCTIONS[op]}({', '.join(a)})"
+    if op == "stored":
+        x = a[0] if instr.args[0].is_element else _splat(a[0], "b_param")  # a tile, to round element by element
+        return f"{STORED_HELPER}({x}, {_STORED_ARGS})"
     raise AssertionError(f"no Triton spelling for {op}")
 
 
@@ -367,11 +377,15 @@ def render_module(spec: ir.Spec, output: str = "cache") -> str:
     variants = [_variant_data(spec, i, low) for i, low in enumerate(lower_all(spec))]
     lib_imports = sorted({f for f in LIB_FUNCTIONS.values() for v in variants for line in v["update_lines"]
                           if f"{f}(" in line.expr})
+    needs_stored = any(f"{STORED_HELPER}(" in line.expr for v in variants for line in v["update_lines"])
     needs_op = any("_op(" in line.expr for v in variants for line in v["host_lines"])
     spec_file, regenerate = (part.format(name=spec.name) for part in OUTPUTS[output])
     template = _environment().get_template("module.py.j2")
     return _seal(template.render(
         lib_imports=lib_imports,
+        stored_helper=STORED_HELPER if needs_stored else None,
+        update_params=", ".join(name for name, _ in UPDATE_PARAMS),
+        update_signature=", ".join(name if kind is None else f"{name}: {kind}" for name, kind in UPDATE_PARAMS),
         needs_op=needs_op,
         spec_name=spec.name,
         spec_doc=_docstring_text(spec.doc or spec.name),

@@ -53,7 +53,9 @@ class Variant(NamedTuple):
     """One compiled variant of a spec, as a generated module's `VARIANTS` lists it (by flag combination)."""
 
     host: Callable  # host_v<i>(hypers, step, scalars) -> (the host scalars h, the new scalar state)
-    update: Any  # update_v<i>(b_param, b_grad, b_states, h), a triton.jit function: the per-element program
+    # update_v<i>(b_param, b_grad, b_states, h, o_param, seed, W_BF16, STOCHASTIC), a triton.jit function: the
+    # per-element program (o_param, seed and the constexprs give `stored(x)` the weight store's rounding)
+    update: Any
     states: tuple[str, ...]  # the states update_v<i> reads and writes, in its order
 
 

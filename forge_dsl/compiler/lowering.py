@@ -1,8 +1,10 @@
 """Stage 3: a checked spec + one combination of flags → a `Lowered` program.
 
 The body is evaluated symbolically into a DAG (hash-consed, so equal
-subexpressions are computed once), with constant folding and a few exact
-identities (`x*1`, `x+0`, `where(true, a, b)`, ...).  Every node is then either
+subexpressions are computed once), with constant folding (float64, as the host
+program) and the identities that are exact in IEEE arithmetic, NaN and zeros'
+signs included (`x*1`, `x/1`, `x-0`, `x**1`, `-(-x)`, `x/2` as `x*0.5`,
+`where(true, a, b)`, ...; not `x+0`, `0-x`, `x*0`, `x-x`, `x/x`).  Every node is then either
 
   * a **host scalar**: depends only on hyperparameters, the step and scalar
     state, so it is computed once per step per tensor on the host (in float64);
@@ -10,9 +12,10 @@ identities (`x*1`, `x+0`, `where(true, a, b)`, ...).  Every node is then either
     every weight (in the kernel's epilogue, or in eager PyTorch for the
     reference step).
 
-Division of a per-element value by a host scalar becomes a multiplication by a
-host-computed reciprocal.  The program is pure data: `reference.py` executes
-it eagerly, the code generator renders it into Triton.
+What the per-element program reads of the host program is rounded once to fp32
+(docs/LANGUAGE.md, section 6); a division stays a division.  The program is
+pure data: `reference.py` executes it eagerly, the code generator renders it
+into Triton.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..spec import ir
-from ..spec.checker import Level
-from ..spec.scalar_ops import apply_scalar_op
+from ..spec.checker import Level, check_spec
+from ..spec.scalar_ops import apply_scalar_op, fp32
 from ..spec.variants import Combo, assignments, runtime_flags, specialize, states_present, variant_of, variants
 
 __all__ = ["Operand", "Instr", "Lowered", "lower", "lower_all", "ELEMENT_INPUTS", "HOST_INPUTS"]
@@ -163,6 +166,11 @@ class _Graph:
                             type=typ)
 
     def op(self, op: str, *args: _Node) -> _Node:
+        if op in ir.ELEMENT_FUNCTIONS:  # never folded nor hoisted: per element whatever its arguments
+            if args[0].kind == "op" and args[0].op == op:
+                return args[0]  # stored(stored(x)) is stored(x): a stored value is stored unchanged
+            return self._intern(("op", op) + tuple(a.id for a in args), kind="op", op=op, args=args,
+                                level=Level.ELEMENT)
         simplified = self._simplify(op, args)
         if simplified is not None:
             return simplified
@@ -188,15 +196,11 @@ class _Graph:
                 return args[0]
         if op == "div" and is_const(args[1], 1.0):
             return args[0]
-        if op == "add":
-            if is_const(args[0], 0.0):
-                return args[1]
-            if is_const(args[1], 0.0):
-                return args[0]
+        if op == "div" and args[1].kind == "const" and _exact_reciprocal(args[1].value):
+            return self.op("mul", args[0], self.const(1.0 / args[1].value))  # x / 2 is x * 0.5, bit for bit
+        # x - 0 is x (-0.0 - 0 is -0.0); x + 0 is not (-0.0 + 0 is +0.0), nor 0 - x -x (0 - 0.0 is +0.0)
         if op == "sub" and is_const(args[1], 0.0):
             return args[0]
-        if op == "sub" and is_const(args[0], 0.0):
-            return self.op("neg", args[1])
         if op == "pow" and is_const(args[1], 1.0):
             return args[0]
         if op == "neg" and args[0].kind == "op" and args[0].op == "neg":
@@ -208,10 +212,15 @@ class _Graph:
             if op == "and":
                 return other if c.value else self.const(False)
             return self.const(True) if c.value else other
-        # element / host  ->  element * (1 / host): a multiply per element instead of a divide.
-        if op == "div" and args[0].level == Level.ELEMENT and args[1].level <= Level.HOST:
-            return self.op("mul", args[0], self.op("recip", args[1]))
         return None
+
+
+def _exact_reciprocal(c) -> bool:
+    """Whether dividing by the constant `c` is multiplying by `1 / c` in fp32 and float64 alike: `c` a power of
+    two whose reciprocal fp32 holds too (both give the exact quotient rounded once; elsewhere they differ)."""
+    if isinstance(c, bool) or not math.isfinite(c) or c == 0 or math.frexp(c)[0] not in (0.5, -0.5):
+        return False
+    return fp32(c) == c and fp32(1.0 / c) == 1.0 / c
 
 
 def _build(graph: _Graph, expr: ir.Expr, env: dict[str, _Node]) -> _Node:
@@ -236,9 +245,28 @@ def _build(graph: _Graph, expr: ir.Expr, env: dict[str, _Node]) -> _Node:
 
 
 def lower(spec: ir.Spec, combo: Combo) -> Lowered:
-    """Lower a checked spec for one combination of flag values (see `variants.combinations`): the program of
-    its compiled variant (`variants.variant_of`), which reads the runtime flags as host inputs."""
-    return _lower_cached(spec, variant_of(spec, tuple(combo)))
+    """Lower a spec for one combination of flag values (see `variants.combinations`): the program of its
+    compiled variant (`variants.variant_of`), which reads the runtime flags as host inputs.
+
+    Raises:
+        SpecError: `spec` is not valid. A spec from `load_spec` is checked already; one from `parse_spec`
+            is checked here first (once), since lowering assumes what the checker proves.
+    """
+    return _lower_cached(_checked(spec), variant_of(spec, tuple(combo)))
+
+
+_CHECKED: dict[int, ir.Spec] = {}  # id(spec) -> spec, for the specs `check_spec` passed
+_CHECKED_MAX = 256
+
+
+def _checked(spec: ir.Spec) -> ir.Spec:
+    """`spec`, after `check_spec` passed it (once per spec object: a dict by identity, not a hash of the IR)."""
+    if _CHECKED.get(id(spec)) is not spec:
+        check_spec(spec)
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[id(spec)] = spec
+    return spec
 
 
 @functools.lru_cache(maxsize=256)
@@ -352,12 +380,13 @@ def _lower_cached(spec: ir.Spec, combo: Combo) -> Lowered:
         Instr(name_of(n), n.op, tuple(operand(a) for a in n.args), n.type) for n in host_nodes if n.id in needed
     )
     elem = tuple(Instr(name_of(n), n.op, tuple(operand(a) for a in n.args), n.type) for n in elem_nodes)
+    outputs = tuple((name, operand(node)) for name, node in element_outputs)
     element_inputs = []
     for key in ["param", "grad"] + [s.name for s in present]:
         kind = key if key in ("param", "grad") else "state"
-        if any(a.kind == kind and (kind != "state" or a.name == key) for i in elem for a in i.args) or any(
-            o.kind == kind and (kind != "state" or o.name == key) for _, o in element_outputs
-        ):
+        # read by an instruction, or an output itself (`prev = grad`, `param = param`)
+        if any(o.kind == kind and (kind != "state" or o.name == key)
+               for o in [a for i in elem for a in i.args] + [o for _, o in outputs]):
             element_inputs.append(key)
     return Lowered(
         spec_name=spec.name,
@@ -367,7 +396,7 @@ def _lower_cached(spec: ir.Spec, combo: Combo) -> Lowered:
         exports=tuple(exports),
         scalar_updates=tuple((name, operand(node)) for name, node in scalar_outputs),
         elem=elem,
-        outputs=tuple((name, operand(node)) for name, node in element_outputs),
+        outputs=outputs,
         element_inputs=tuple(element_inputs),
     )
 

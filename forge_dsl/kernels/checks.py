@@ -12,7 +12,8 @@ from typing import Any, MutableMapping
 
 import torch
 
-from .layouts import BLOCK, SCALE_DTYPES, StateLayout, as_rows, is_quantized, layout_of, n_blocks, storage_shape
+from .layouts import (BLOCK, SCALE_DTYPES, StateLayout, as_rows, is_quantized, layout_of, n_blocks, quantized_layout,
+                      storage_shape)
 from .policy import TileConfig, hopper_with_gluon, interpreting
 
 ROUNDINGS = ("stochastic", "nearest")  # how a bf16 weight is written (`kernel_calls.rounding_code`)
@@ -85,7 +86,7 @@ class StateArgs:
 
 def bind_states(spec, names: tuple[str, ...], state: MutableMapping[str, torch.Tensor],
                    weight: torch.Tensor) -> StateArgs:
-    """The kernels' arguments for the variant's states `names`, checked against `weight`."""
+    """The kernels' arguments for the variant's states `names`, each checked against `weight` (`check_state`)."""
     storages: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []
     layouts: list[int] = []
@@ -95,32 +96,10 @@ def bind_states(spec, names: tuple[str, ...], state: MutableMapping[str, torch.T
                 f"state has no '{name}', which {spec.name} needs with these flags; "
                 "create the state with forge_dsl.init_state(spec, param, layout=..., **hypers) using the same flags"
             )
+        layout = check_state(spec, name, state, weight)
         t = state[name]
-        layout = layout_of(t, weight.shape)
-        if layout is None:
-            raise ValueError(f"state '{name}' has dtype {t.dtype}; expected float32, bfloat16, int8 or uint8")
-        if tuple(t.shape) != storage_shape(layout, weight.shape):
-            raise ValueError(f"state '{name}' has shape {tuple(t.shape)} but the parameter has {tuple(weight.shape)}"
-                             + (" (int4 state holds two codes a byte: the parameter's shape with its last dim halved)"
-                                if t.dtype in (torch.int8, torch.uint8) else ""))
-        if t.device != weight.device:
-            raise ValueError(f"state '{name}' is on {t.device} but the parameter is on {weight.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"state '{name}' must be contiguous")
-        if layout != StateLayout.FP32 and name in exact_states(spec):
-            raise ValueError(f"state '{name}' of {spec.name} must stay exact (see forge_dsl.api.state_layout) but is "
-                             f"stored as {t.dtype}; create it with forge_dsl.init_state, which keeps it float32")
-        scale = state.get(f"{name}.scale")
         if is_quantized(layout):
-            rows, cols = as_rows(weight).shape
-            if (scale is None or scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != (rows, n_blocks(cols))
-                    or scale.device != weight.device or not scale.is_contiguous()):
-                raise ValueError(
-                    f"{'int4' if layout in (StateLayout.INT4, StateLayout.UINT4) else 'int8'} state '{name}' needs "
-                    f"'{name}.scale', a contiguous float32 or bfloat16 tensor of shape ({rows}, {n_blocks(cols)}) "
-                    f"on the parameter's device"
-                )
-            storage = t
+            storage, scale = t, state[f"{name}.scale"]
             if scale.dtype == torch.bfloat16:
                 scale = scale.view(torch.int16)  # the kernels read bf16 scales as bits (`state_lib.load_state_raw`)
         else:
@@ -130,6 +109,79 @@ def bind_states(spec, names: tuple[str, ...], state: MutableMapping[str, torch.T
         scales.append(scale)
         layouts.append(int(layout))
     return StateArgs(tuple(storages), tuple(scales), tuple(layouts))
+
+
+def check_state(spec, name: str, state, weight: torch.Tensor, what: str = "") -> StateLayout:
+    """The layout of `state[name]`, the storage of `spec`'s state `name` for the parameter `weight`, after checking
+    that it is what that state needs (`check_state_kind`), shaped for the parameter, on its device, contiguous, and
+    for int8 / int4 codes beside a `<name>.scale` of the block scales' dtype and shape: a ValueError naming it (as
+    `what`, default "state 'NAME'") otherwise, before any kernel runs."""
+    what = what or f"state '{name}'"
+    t = state[name]
+    layout = check_state_kind(spec, name, state, weight.shape, what)
+    if tuple(t.shape) != storage_shape(layout, weight.shape):
+        raise ValueError(f"{what} has shape {tuple(t.shape)} but the parameter has {tuple(weight.shape)}"
+                         + (" (int4 state holds two codes a byte: the parameter's shape with its last dim halved)"
+                            if t.dtype in (torch.int8, torch.uint8) else ""))
+    if t.device != weight.device:
+        raise ValueError(f"{what} is on {t.device} but the parameter is on {weight.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
+    if is_quantized(layout):
+        scale = state.get(f"{name}.scale")
+        rows, cols = as_rows(weight).shape
+        if (scale is None or scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != (rows, n_blocks(cols))
+                or scale.device != weight.device or not scale.is_contiguous()):
+            raise ValueError(
+                f"{'int4' if layout in (StateLayout.INT4, StateLayout.UINT4) else 'int8'} {what} needs "
+                f"'{name}.scale', a contiguous float32 or bfloat16 tensor of shape ({rows}, {n_blocks(cols)}) "
+                f"on the parameter's device"
+            )
+    return layout
+
+
+def check_state_kind(spec, name: str, state, param_shape, what: str = "") -> StateLayout:
+    """The layout `state[name]` holds for a parameter of `param_shape` (`layouts.layout_of`: its dtype, and its
+    shape for 4-bit codes), after checking it is one `spec`'s state `name` can have: a storage dtype; fp32 for a
+    state that must stay exact (`exact_states`); int8 / int4 codes of the map its `nonneg` declaration gives
+    (`layouts.quantized_layout`, the rule `init_state` makes states by: uint8 codes for nonneg states, int8 for
+    signed ones); float storage without a `<name>.scale` beside it (codes cast to float keep their scales, and
+    would be updated as values). A ValueError naming it (`what`) otherwise."""
+    what = what or f"state '{name}'"
+    t = state[name]
+    layout = layout_of(t, param_shape)
+    if layout is None:
+        raise ValueError(f"{what} has dtype {t.dtype}; expected float32, bfloat16, int8 or uint8")
+    scale_name = f"{name}.scale"
+    if not is_quantized(layout) and scale_name in state:
+        raise ValueError(
+            f"{what} is {t.dtype}, but '{scale_name}' (block scales) sits beside it: int8 or int4 codes "
+            f"converted to {t.dtype} (a cast, or dcp.load into a float optimizer's state) would be updated as "
+            f"values. Pass the codes in their own dtype, or a state from forge_dsl.init_state(spec, param, "
+            f"layout=...)")
+    if layout != StateLayout.FP32 and name in exact_states(spec):
+        raise ValueError(f"{what} of {spec.name} must stay exact (see forge_dsl.api.state_layout) but is "
+                         f"stored as {t.dtype}; create it with forge_dsl.init_state, which keeps it float32")
+    if is_quantized(layout):
+        nonneg = _nonneg(spec, name)
+        want = quantized_layout(layout.layout_name, nonneg)
+        if layout != want:
+            declared = "declared nonneg" if nonneg else "not declared nonneg (signed)"
+            raise ValueError(
+                f"{what} holds {layout.storage_words}, but {spec.name}'s '{name}' is {declared}: as "
+                f"{layout.layout_name} it is {want.storage_words}, and the kernels would decode these codes with the "
+                f"wrong map. Create the state with forge_dsl.init_state(spec, param, layout=...)")
+    return layout
+
+
+_NONNEG: dict[int, tuple[Any, frozenset]] = {}  # id(spec) -> (spec, names), as _EXACT
+
+
+def _nonneg(spec, name: str) -> bool:
+    hit = _NONNEG.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        hit = _NONNEG[id(spec)] = (spec, frozenset(s.name for s in spec.states if s.nonneg))
+    return name in hit[1]
 
 
 

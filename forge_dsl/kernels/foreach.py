@@ -31,8 +31,10 @@ from typing import Any, Hashable, MutableMapping, Optional, Sequence
 import torch
 
 from ..spec.loading import SpecLike, load_spec
-from .checks import DEFAULT_ROUNDING, DEFAULT_SEED
+from ..compiler.loader import compiled_variants
+from .checks import DEFAULT_ROUNDING, DEFAULT_SEED, check_state, check_state_kind
 from .layouts import BLOCK, as_rows, holds_codes, layout_of, n_blocks, storage_shape
+from .steps import _resolved_hypers
 from .steps import step as elementwise_step
 
 __all__ = ["FOREACH_MAX_ELEMENTS", "foreach_step", "shared_launch_key"]
@@ -75,12 +77,20 @@ def shared_launch_key(spec: SpecLike, param: torch.Tensor, grad: torch.Tensor,
     return (param.device, param.dtype, grad.dtype, layouts, scalars)
 
 
-def _check_one(spec, i: int, param: torch.Tensor, grad: torch.Tensor, state: MutableMapping[str, Any]) -> None:
+def _check_one(spec, i: int, param: torch.Tensor, grad: torch.Tensor, state: MutableMapping[str, Any],
+               names: tuple[str, ...]) -> None:
     """Shapes and devices of `grads[i]` and `states[i]` against `params[i]`: the flat buffers concatenate
-    them in order, so a state of another shape would be updated against other elements' gradients."""
+    them in order, so a state of another shape would be updated against other elements' gradients; and each
+    state the variant reads (`names`) against what the spec's state needs (`checks.check_state`), named
+    `states[i]['NAME']`, since the flat launch's own check sees only the concatenation."""
     if grad.shape != param.shape:
         raise ValueError(f"grads[{i}] has shape {tuple(grad.shape)} but params[{i}] has {tuple(param.shape)}; "
                          "they must match")
+    for name in names:
+        if name not in state:
+            raise ValueError(f"states[{i}] has no '{name}', which {spec.name} needs with these flags; create it with "
+                             f"forge_dsl.init_state(spec, params[{i}], layout=..., **hypers) using the same flags")
+        check_state_kind(spec, name, state, param.shape, what=f"states[{i}]['{name}']")
     rows, cols = as_rows(param).shape
     for name in _state_tensors(spec, state):
         t = state[name]
@@ -96,6 +106,8 @@ def _check_one(spec, i: int, param: torch.Tensor, grad: torch.Tensor, state: Mut
     for what, t in [(f"grads[{i}]", grad)] + [(f"states[{i}]['{n}']", state[n]) for n in _state_tensors(spec, state)]:
         if t.device != param.device:
             raise ValueError(f"{what} is on {t.device} but params[{i}] is on {param.device}")
+    for name in names:
+        check_state(spec, name, state, param, what=f"states[{i}]['{name}']")
 
 
 def _flat_width(total: int) -> int:
@@ -149,8 +161,9 @@ def foreach_step(
                          f"{len(grads)} grads and {len(states)} states")
     if not params:
         return
+    names = compiled_variants(spec)[_resolved_hypers(spec, hypers).variant].states
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
-        _check_one(spec, i, p, g, s)
+        _check_one(spec, i, p, g, s, names)
     keys = [shared_launch_key(spec, p, g, s) for p, g, s in zip(params, grads, states)]
     if keys[0] is None or any(k != keys[0] for k in keys):
         bad = next(i for i, k in enumerate(keys) if k is None or k != keys[0])

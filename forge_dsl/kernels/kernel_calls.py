@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..spec.keywords import check_seed
+from ..spec.scalar_ops import fp32
 from .checks import StateArgs, tma_compatible, weight_view
 from .layouts import FOUR_BIT_LAYOUTS, as_rows, n_blocks
 from .policy import TileConfig, interpreting, step_config
@@ -32,6 +33,14 @@ def mix_seed(seed: int, step: int) -> int:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     z ^= z >> 31
     return z & 0x7FFFFFFF
+
+
+def kernel_host_values(exports: tuple) -> tuple:
+    """A variant's host scalars as every launch hands them to its kernel: each float rounded once to fp32, to
+    nearest even (`spec.scalar_ops.fp32`: docs/LANGUAGE.md, section 6, says why); the ints and bools of
+    runtime flags and integer host values as they are. Without it a compiled kernel rounds its fp32 arguments
+    the same way, but the interpreter computed with a float64 beyond fp32's range (eps=1e-50 stayed 1e-50)."""
+    return tuple(fp32(v) if type(v) is float else v for v in exports)
 
 
 def launch_fused(cfg: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, w_view: torch.Tensor, w_bf16: bool,

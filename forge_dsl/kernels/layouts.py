@@ -149,6 +149,7 @@ __all__ = [
     "as_rows",
     "n_blocks",
     "resolve_layout",
+    "quantized_layout",
     "storage_dtype",
     "quantize",
     "dequantize",
@@ -284,13 +285,21 @@ def resolve_layout(name: str, nonneg: bool, shape: Sequence[int]) -> StateLayout
     if name == "bf16":
         return StateLayout.BF16
     _, cols = rows_cols(shape)
-    if cols < BLOCK:
+    if cols < BLOCK or (name == "int4" and cols % 2):
         return StateLayout.FP32
+    return quantized_layout(name, nonneg)
+
+
+def quantized_layout(name: str, nonneg: bool) -> StateLayout:
+    """The layout "int8" or "int4" (`QUANTIZED_NAMES`) stores a state in, by whether it is declared nonneg: the
+    unsigned maps (UINT8_SQRT, UINT4: uint8 storage) for nonneg states, the signed ones (INT8, INT4: int8) for
+    the others. `resolve_layout` picks by it, and the kernels' checks refuse codes of the other map by it
+    (`checks.check_state_kind`)."""
     if name == "int4":
-        if cols % 2:
-            return StateLayout.FP32
         return StateLayout.UINT4 if nonneg else StateLayout.INT4
-    return StateLayout.UINT8_SQRT if nonneg else StateLayout.INT8
+    if name == "int8":
+        return StateLayout.UINT8_SQRT if nonneg else StateLayout.INT8
+    raise ValueError(f"{name!r} is not a quantized layout; expected one of {', '.join(map(repr, QUANTIZED_NAMES))}")
 
 
 def storage_dtype(layout) -> torch.dtype:

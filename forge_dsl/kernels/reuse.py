@@ -14,8 +14,9 @@ parameter order (what `JITFunction.run` passes it), the new tensors and scalars 
     entry = lookup(key, spec)                                                     # None: not prepared yet
     scalar_updates = entry.launch(x, dy, weight, state, hypers, step, mixed_seed)  # None: not launched
 
-The key holds what the checks, `fused_config` and Triton's specialization read: the variant (`combo`:
-the keywords' flags), each tensor's shape, strides, dtype, device and start address modulo 16 (Triton
+The key holds what the checks (`checks.check_state`: a state's dtype and shape against the spec's state, and
+whether a float state has block scales beside it), `fused_config` and Triton's specialization read: the
+variant (`combo`: the keywords' flags), each tensor's shape, strides, dtype, device and start address modulo 16 (Triton
 specializes pointers on 16-byte alignment; `seed` and `T` are not specialized, `N`, `K` and `n_blocks`
 are fixed by the shapes), rounding, tf32 and the config. The host scalars are computed per call; Triton
 never specializes a float, and ints (RAdam's rectification flag) select one of an entry's compiled
@@ -105,6 +106,8 @@ def call_key(spec, combo: tuple, names: tuple[str, ...], scalar_names: tuple[str
             states.append(_meta(t))
             if holds_codes(t):
                 states.append(_meta(state[f"{name}.scale"]))
+            elif f"{name}.scale" in state:  # codes cast to float beside their scales: the checked path refuses them
+                states.append(None)
         for name in scalar_names:
             states.append(_meta(state[name]))
         return (id(spec), combo, rounding, bool(tf32), config, _meta(x), _meta(dy), _meta(weight), tuple(states))

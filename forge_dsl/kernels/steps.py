@@ -45,7 +45,7 @@ from .checks import (
     tma_readable,
     weight_view,
 )
-from .kernel_calls import device_guard, launch_elementwise, launch_fused, mix_seed
+from .kernel_calls import device_guard, kernel_host_values, launch_elementwise, launch_fused, mix_seed
 from .layouts import holds_codes
 from .policy import (
     LINEAR_PATHS,
@@ -159,8 +159,19 @@ def _variant(spec, hypers: dict, step: int, state):
     missing = [s.name for s in spec.scalars if s.name not in state]
     if missing:
         raise ValueError(f"state has no scalar state {missing}; create it with forge_dsl.init_state")
-    exports, scalar_updates = host(cfg.host_inputs, int(step), {s.name: float(state[s.name]) for s in spec.scalars})
+    exports, scalar_updates = _kernel_host(host)(cfg.host_inputs, int(step),
+                                                 {s.name: float(state[s.name]) for s in spec.scalars})
     return update, names, exports, scalar_updates
+
+
+def _kernel_host(host):
+    """A variant's host program (float64) whose scalars come out as the kernels read them (`kernel_host_values`):
+    every launch's, the reused ones' (`reuse.PreparedLaunch`) included."""
+    def rounded(hypers, step, scalars):
+        exports, scalar_updates = host(hypers, step, scalars)
+        return kernel_host_values(exports), scalar_updates
+
+    return rounded
 
 
 _RESOLVED: dict = {}  # (id(spec), keywords) -> (spec, StepConfig): see _resolved_hypers
@@ -344,7 +355,7 @@ def _prepare(reusable: tuple, update: ParamUpdate, cfg: TileConfig, launched: tu
 
     key, resolved, spec = reusable
     compiled, args, kwargs, programs = launched
-    host = compiled_variants(spec)[resolved.variant].host
+    host = _kernel_host(compiled_variants(spec)[resolved.variant].host)
     try:
         entry = reuse.PreparedLaunch(spec, host, update.names, update.state, _scalar_names(spec),
                                         fused_ws, compiled, args, kwargs, programs,

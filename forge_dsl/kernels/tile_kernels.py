@@ -11,10 +11,12 @@ The warp-specialized fused kernel for Hopper (`gluon_lib.fused_ws`) runs the sam
 
 What a generated module (forge_dsl/compiler/templates/module.py.j2) contributes is the per-element program:
 
-    update(b_param, b_grad, b_states, h) -> (b_param, b_states)
+    update(b_param, b_grad, b_states, h, o_param, seed, W_BF16, STOCHASTIC) -> (b_param, b_states)
 
 on fp32 register tiles of one shape (`b_states`: one tile per state the variant reads, in the order
-of its `STATES` tuple), `h` the variant's host scalars (what its `host_v<i>` returns). The kernels take
+of its `STATES` tuple), `h` the variant's host scalars (what its `host_v<i>` returns), and what the
+weight's store rounds with (`tile_lib.store_weight`'s offsets, key and constexprs), which the spec's
+`stored(x)` reads (`tile_lib.stored_weight`); `apply_tile` is the one call. The kernels take
 
     STATES  a tuple of each state's storage tensor (bf16 as its int16 view; int8 / uint8 codes),
     SCALES  a tuple of each state's block scales [N, K / 64] fp32 (int8 / uint8; the storage itself,
@@ -72,7 +74,7 @@ def apply_tile(W, STATES, SCALES, HOST, b_grad, r_param, raws, scales, offs, mas
     b_states = ()
     for i in tl.static_range(len(STATES)):
         b_states = b_states + (decode_state(raws[i], scales[i], LAYOUTS[i], NIBBLE_WORDS, BLOCK_N, BLOCK_K), )
-    b_param, b_states = UPDATE(b_param, b_grad, b_states, HOST)
+    b_param, b_states = UPDATE(b_param, b_grad, b_states, HOST, offs, seed, W_BF16, STOCHASTIC)
     store_weight(W, b_param, offs, mask, seed, W_BF16, STOCHASTIC)
     for i in tl.static_range(len(STATES)):
         store_state(STATES[i], SCALES[i], b_states[i], offs, mask, scale_offs, LAYOUTS[i], NIBBLE_WORDS, BLOCK_N,

@@ -63,6 +63,8 @@ __all__ = [
     "load_weight",
     "load_weight_raw",
     "decode_weight",
+    "weight_bits",
+    "stored_weight",
     "store_weight",
 ]
 
@@ -331,11 +333,33 @@ def load_weight(ptr, offs, mask, W_BF16: tl.constexpr):
 
 
 @triton.jit
+def weight_bits(value, offs, seed, STOCHASTIC: tl.constexpr):
+    """The int16 bf16 bits a bf16 weight tile `value` [BN, BK] fp32 at element offsets `offs` is written as:
+    the one home of the weight's rounding, which `store_weight` stores and `stored_weight` reads back.
+    STOCHASTIC and seed as for `store_weight`."""
+    if STOCHASTIC:
+        return fp32_to_bf16_bits_stochastic(value, offs, seed, STOCHASTIC == 2)
+    else:
+        return fp32_to_bf16_bits_rne(value)
+
+
+@triton.jit
+def stored_weight(value, offs, seed, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The fp32 value `store_weight(ptr, value, offs, mask, seed, W_BF16, STOCHASTIC)` writes, without writing
+    it: a bf16 weight's rounding (`weight_bits`: the same bits, stochastic ones included), an fp32 weight's
+    value itself. The spec language's `stored(x)` (docs/LANGUAGE.md §8); value, offs: [BN, BK]."""
+    if W_BF16:
+        return bf16_bits_to_fp32(weight_bits(value, offs, seed, STOCHASTIC))
+    else:
+        return value.to(tl.float32)
+
+
+@triton.jit
 def store_weight(ptr, value, offs, mask, seed, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Store an fp32 weight tile.
 
     W_BF16: the weight is bf16 and `ptr` points at its int16 view; it is rounded as
-    STOCHASTIC says (ignored for fp32): ROUND_NEAREST (0, or False) to nearest even,
+    STOCHASTIC says (ignored for fp32; `weight_bits`): ROUND_NEAREST (0, or False) to nearest even,
     ROUND_STOCHASTIC (1, or True) stochastically, ROUND_STOCHASTIC_PAIRS (2) the same
     bits with one hash per two neighbours, where every tile row starts at an even
     element index (`kernel_calls.rounding_code` picks it from the number of columns).
@@ -352,10 +376,6 @@ def store_weight(ptr, value, offs, mask, seed, W_BF16: tl.constexpr, STOCHASTIC:
     """
     if W_BF16:
         tl.static_assert(ptr.dtype.element_ty == tl.int16, "bf16 weights must be passed as t.view(torch.int16)")
-        if STOCHASTIC:
-            bits = fp32_to_bf16_bits_stochastic(value, offs, seed, STOCHASTIC == 2)
-        else:
-            bits = fp32_to_bf16_bits_rne(value)
-        tl.store(ptr + offs, bits, mask=mask)
+        tl.store(ptr + offs, weight_bits(value, offs, seed, STOCHASTIC), mask=mask)
     else:
         tl.store(ptr + offs, value.to(tl.float32), mask=mask)

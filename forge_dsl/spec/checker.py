@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import enum
 import keyword
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from . import ir
 from .errors import Loc, SpecError, did_you_mean
 from .nonneg import check_nonneg
+from .parser import default_loc
 from .printer import print_expr
+from .scalar_ops import fp32
 from .variants import (
     Combo,
     children,
@@ -61,6 +64,7 @@ BUILTIN_FUNCTIONS = {
     "max": 2,
     "clamp": 3,
     "where": 3,
+    "stored": 1,  # per element whatever its argument (ir.ELEMENT_FUNCTIONS)
 }
 
 # Functions a user may reach for that combine several elements.
@@ -93,7 +97,7 @@ _COLLIDING_NAMES = frozenset(
 API_KEYWORDS = frozenset({
     "spec", "param", "grad", "step", "state", "states", "params", "grads", "weight", "x", "dy", "model",
     "seed", "rounding", "layout", "state_dtype", "fuse", "foreach", "linear_path", "path", "tf32", "config",
-    "slab_bytes", "initial_hypers", "self", "model_params", "lm_head_loss",
+    "slab_bytes", "initial_hypers", "self", "model_params", "lm_head_loss", "weight_dtype",
 })
 RESERVED_NAMES = _COLLIDING_NAMES | API_KEYWORDS
 
@@ -219,6 +223,8 @@ class _Checker:
                 raise self.error(
                     f"the default {ir.format_number(h.default)} of '{h.name}' is outside its range {iv}", h.loc
                 )
+            if h.default is not None:
+                self.check_fp32_default(h)
         for f in spec.flags:
             self.declare(f.name, _Symbol("flag", Type.BOOL, Level.FLAG), f.loc)
         self.optional = {h.name for h in spec.hypers if h.optional}
@@ -256,6 +262,20 @@ class _Checker:
         # Kinds are fixed now; rename the member symbols' kind for messages.
         for m in members:
             self.symbols[m] = _Symbol("hyperparameter", Type.REAL, Level.HOST)
+
+    def check_fp32_default(self, h: ir.Hyper) -> None:
+        """The kernels read a hyperparameter rounded to fp32 (docs/LANGUAGE.md, section 6): its default's fp32
+        value must lie in its range too, the range's ends rounded alike (so `0.1 in [0, 0.1]` holds)."""
+        iv, value = h.interval, fp32(h.default)
+        if ir.Interval(fp32(iv.low), fp32(iv.high), iv.low_closed, iv.high_closed).contains(value):
+            return
+        shown = "-0" if value == 0 and math.copysign(1.0, value) < 0 else ir.format_number(value)
+        raise self.error(
+            f"the default {ir.format_number(h.default)} of '{h.name}' is {shown} in fp32, outside its range {iv}",
+            default_loc(self.spec.source, h.loc.path, h.loc) or h.loc,
+            hint="the kernels read each hyperparameter rounded to fp32 (docs/LANGUAGE.md, section 6); choose a "
+            "default that fp32 holds inside the range",
+        )
 
     def check_interval(self, iv: ir.Interval, name: str, loc: Loc) -> None:
         if iv.low > iv.high or (iv.low == iv.high and not (iv.low_closed and iv.high_closed)):
@@ -490,7 +510,10 @@ class _Checker:
             return at, level
         for arg, (t, _) in zip(expr.args, typed):
             self.expect_real(arg, t, f"{func}()")
-        return Type.REAL, level
+        if func in ir.ELEMENT_FUNCTIONS and self.allow_given:  # allow_given: in a derived flag or a 'require'
+            raise self.error(f"{func}() is per element (it rounds as each weight is stored); a derived flag or a "
+                             "'require' may use only hyperparameters and flags", expr.func_loc)
+        return Type.REAL, Level.ELEMENT if func in ir.ELEMENT_FUNCTIONS else level
 
     def expect_real(self, expr: ir.Expr, t: Type, where: str) -> None:
         if t is Type.REAL:

@@ -12,10 +12,32 @@ reads like a compiler diagnostic::
 from __future__ import annotations
 
 import difflib
+import unicodedata
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-__all__ = ["Loc", "SpecError", "did_you_mean"]
+__all__ = ["HIDING_CHARACTERS", "Loc", "SpecError", "character_name", "did_you_mean"]
+
+# Characters a spec may not hold anywhere, comments and strings included (docs/LANGUAGE.md, 2): line breaks to
+# editors that the lexer does not count (what an editor shows after one in a comment as code is comment), and
+# the bidirectional-text controls that reorder what an editor shows (Trojan Source, CVE-2021-42574).
+LINE_BREAKS = frozenset("\u2028\u2029\x85")
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c")
+HIDING_CHARACTERS = LINE_BREAKS | BIDI_CONTROLS
+
+
+def character_name(c: str) -> str:
+    """`U+2028 LINE SEPARATOR`: a character's code point and Unicode name (a control character's alias)."""
+    name = unicodedata.name(c, None) or {"\x85": "NEXT LINE"}.get(c)
+    return f"U+{ord(c):04X}" + (f" {name}" if name else "")
+
+
+def _showable(c: str) -> str:
+    """`c` as a quoted line shows it: a control character or a character of HIDING_CHARACTERS (which would
+    break or reorder the quoted line, or drive the terminal) as U+FFFD; tabs as they are."""
+    if c == "\t" or (c not in HIDING_CHARACTERS and unicodedata.category(c) != "Cc"):
+        return c
+    return "\ufffd"
 
 
 @dataclass(frozen=True)
@@ -66,7 +88,7 @@ class SpecError(Exception):
             # Lines are counted at '\n' only, as the parser counts them.
             text_lines = self.source.split("\n")
             if 1 <= self.loc.line <= len(text_lines):
-                text = text_lines[self.loc.line - 1].rstrip()
+                text = "".join(map(_showable, text_lines[self.loc.line - 1])).rstrip()
                 width = 1
                 if self.loc.end_line == self.loc.line and self.loc.end_col > self.loc.col:
                     width = self.loc.end_col - self.loc.col

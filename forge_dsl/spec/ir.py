@@ -117,6 +117,11 @@ COMPARISON_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGIC_OPS = ("and", "or")
 COMPARE_SYMBOLS = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
 
+# Built-in functions whose value is per element whatever their arguments: `stored(x)`, x rounded as this
+# element's weight is stored (the weight's dtype, the step's rounding, stochastically this element's random
+# bits). The checker gives them the per-element level; the lowering never folds nor hoists them.
+ELEMENT_FUNCTIONS = frozenset({"stored"})
+
 # ----------------------------------------------------------------------------
 # Declarations
 # ----------------------------------------------------------------------------

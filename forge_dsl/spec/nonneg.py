@@ -56,6 +56,7 @@ def check_nonneg(spec: ir.Spec, combo: Combo, qualify: bool) -> None:
 
 
 _INF = math.inf
+_FP32_ZERO = 2.0**-150  # the largest magnitude that rounds to a zero in fp32 (to nearest even)
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,18 @@ class _Range:
 
     Bounds are never NaN (a bound computation that gives NaN, such as inf + -inf, means
     unbounded on that side).  Zero's sign is not tracked: a range that reaches 0 may hold
-    -0.0, so dividing by it (or rsqrt of it) can give -inf.
+    -0.0, so dividing by it (or rsqrt of it) can give -inf.  `lo_open` / `hi_open`: that end
+    is not reached (`beta2 in [0, 1)`, so `1 - beta2 ** step` is in (0, 1], and dividing by it
+    keeps a sign); kept through negation, sums (an end at 0) and the powers `_power` knows, dropped
+    (closed, which is sound) elsewhere.  `integer`: every value is an integer (`step`).
     """
 
     lo: float
     hi: float
     nan: bool = False
+    lo_open: bool = False
+    hi_open: bool = False
+    integer: bool = False
 
     @staticmethod
     def of(lo: float, hi: float, nan: bool) -> "_Range":
@@ -99,11 +106,15 @@ def _mul(a: _Range, b: _Range) -> _Range:
 
 def _add(a: _Range, b: _Range) -> _Range:
     nan = a.nan or b.nan or (a.hi == _INF and b.lo == -_INF) or (a.lo == -_INF and b.hi == _INF)
-    return _Range.of(a.lo + b.lo, a.hi + b.hi, nan)
+    r = _Range.of(a.lo + b.lo, a.hi + b.hi, nan)
+    # An end at 0 that one side does not reach, the sum does not reach either, in floating point too: a sum is
+    # 0 only where the exact sum is (1 - beta2 > 0 for beta2 < 1). At other ends rounding may reach the bound.
+    return _Range(r.lo, r.hi, nan, lo_open=r.lo == 0 and (a.lo_open or b.lo_open),
+                  hi_open=r.hi == 0 and (a.hi_open or b.hi_open))
 
 
 def _neg(a: _Range) -> _Range:
-    return _Range(-a.hi, -a.lo, a.nan)
+    return _Range(-a.hi, -a.lo, a.nan, lo_open=a.hi_open, hi_open=a.lo_open, integer=a.integer)
 
 
 def _monotone(f, a: _Range, low: float, high: float) -> _Range:
@@ -198,9 +209,10 @@ class _Bounds:
         self.flags = flags
         self.notes: list[str] = []
         self.memo: dict[int, _Range] = {}  # id(expr) -> its range, until the next assignment
-        self.env: dict[str, _Range] = {"step": _Range(1.0, _INF)}
+        self.env: dict[str, _Range] = {"step": _Range(1.0, _INF, integer=True)}
         for h in spec.hypers:
-            self.env[h.name] = _Range(h.interval.low, h.interval.high)
+            iv = h.interval
+            self.env[h.name] = _Range(iv.low, iv.high, lo_open=not iv.low_closed, hi_open=not iv.high_closed)
         for s in spec.states:
             self.env[s.name] = _Range(0.0, _INF, True) if s.nonneg else _ANY
         for s in spec.scalars:
@@ -250,10 +262,15 @@ class _Bounds:
         return _ANY
 
     def _quotient(self, a: _Range, b: _Range) -> _Range:
-        if b.lo > 0 or b.hi < 0:  # no zero in the divisor
-            recip = _Range(1.0 / b.hi if b.hi != _INF else 0.0, 1.0 / b.lo if b.lo != -_INF else 0.0)
-            if b.hi < 0:
-                recip = _Range(1.0 / b.hi, 1.0 / b.lo if b.lo != -_INF else 0.0)
+        # A divisor of one sign: its values may still round to a zero of that sign in fp32 (a host value the
+        # kernels read, docs/LANGUAGE.md 6) where they reach _FP32_ZERO, hence a reciprocal up to inf there.
+        if b.lo > 0 or (b.lo == 0 and b.lo_open):
+            recip = _Range(1.0 / b.hi if b.hi != _INF else 0.0, 1.0 / b.lo if b.lo > _FP32_ZERO else _INF)
+        elif b.hi < 0 or (b.hi == 0 and b.hi_open):
+            recip = _Range(1.0 / b.hi if b.hi < -_FP32_ZERO else -_INF, 1.0 / b.lo if b.lo != -_INF else 0.0)
+        else:
+            recip = None
+        if recip is not None:
             r = _mul(a, recip)
             inf_by_inf = math.isinf(max(-a.lo, a.hi)) and math.isinf(max(-b.lo, b.hi))
             return _Range(r.lo, r.hi, a.nan or b.nan or inf_by_inf)
@@ -267,6 +284,12 @@ class _Bounds:
             return _Range(1.0, 1.0)
         if k is not None and float(k).is_integer() and k % 2 == 0:  # an even power: x ** 2, x ** -2
             return _Range(0.0, _INF, a.nan)
+        m = max(-a.lo, a.hi)
+        if not (a.nan or b.nan) and b.lo >= 1 and m <= 1 and (a.lo >= 0 or b.integer):
+            # beta ** step: |x| <= 1 and y >= 1 (an integer where x may be negative) give |x ** y| <= |x|, and
+            # pow rounds it to at most |x| (a float), so an upper end x does not reach, x ** y does not reach
+            # either: the bias correction 1 - beta2 ** step is in (0, 1] for beta2 in [0, 1).
+            return _Range(0.0, a.hi, hi_open=a.hi_open) if a.lo >= 0 else _Range(-m, m)
         if a.lo > 0 or (a.lo >= 0 and b.lo >= 0):  # (-0.0) ** -1 is -inf, hence a.lo > 0 for b < 0
             return _Range(0.0, _INF, nan)
         return _ANY

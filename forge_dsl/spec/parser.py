@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import unicodedata
 from importlib import resources
 from typing import Optional
@@ -16,9 +17,9 @@ import lark
 from lark import Lark, Token, Transformer, v_args
 
 from . import ir
-from .errors import Loc, SpecError
+from .errors import BIDI_CONTROLS, HIDING_CHARACTERS, Loc, SpecError, character_name
 
-__all__ = ["parse_spec", "grammar_text"]
+__all__ = ["parse_spec", "grammar_text", "default_loc"]
 
 
 def grammar_text() -> str:
@@ -164,10 +165,10 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) 
             bad = _bad_string_character(source, err.pos_in_stream)
             if bad is not None:
                 return _string_character_error(path, source, bad)
-        shown = f"'{char}'" if char.isprintable() else f"U+{ord(char):04X}"
         loc = Loc(path, line, col, line, col + 1)
         hint = 'a string is written "like this", on one line and without backslashes' if char == '"' else None
-        return SpecError(f"syntax error: unexpected character {shown}", loc, source, hint)
+        return SpecError(f"syntax error: unexpected character {_shown_character(char)}", loc, source,
+                         hint or _pasted_character_hint(char))
     if isinstance(err, lark.exceptions.UnexpectedToken):
         tok = err.token
         expected = _accepted(err)
@@ -240,6 +241,72 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) 
     return SpecError(f"syntax error: {err}", Loc(path, line, col), source)
 
 
+def _shown_character(c: str) -> str:
+    """`'$'`; beyond ASCII, with its code point and name: `'а' (U+0430 CYRILLIC SMALL LETTER A)`, and without
+    the character itself where it shows as nothing or as a space (`U+00A0 NO-BREAK SPACE`)."""
+    if c.isascii() and c.isprintable():
+        return f"'{c}'"
+    return f"'{c}' ({character_name(c)})" if c.isprintable() and not c.isspace() else character_name(c)
+
+
+# Characters pasted from documents and papers, and the ASCII the language spells them with.
+_ASCII_FOR = {
+    **dict.fromkeys("\u2010\u2011\u2012\u2013\u2014\u2015\u2212\ufe58\ufe63", "-"),
+    **dict.fromkeys("\u00d7\u00b7\u2217\u2219\u22c5", "*"),
+    **dict.fromkeys("\u00f7\u2044\u2215", "/"),
+    **dict.fromkeys("\u2018\u2019\u201a\u201b\u201c\u201d\u201e\u201f\u00ab\u00bb\u2032\u2033", '"'),
+    "\u2264": "<=", "\u2265": ">=", "\u2260": "!=", "\u2227": "and", "\u2228": "or", "\u00ac": "not",
+    "\u221e": "inf",
+}
+# Letters of other scripts that look like Latin ones (homoglyphs), and the Latin letter each looks like.
+_LOOKALIKES = dict(zip("аеорсухіјѕԁӏԛԝАВЕКМНОРСТХІЈЅαοινκρτυχΑΒΕΖΗΙΚΜΝΟΡΤΥΧ",
+                       "aeopcyxijsdlqwABEKMHOPCTXIJSaoivkptuxABEZHIKMNOPTYX"))
+_INVISIBLE = set("\u200b\u200c\u200d\u2060\ufeff\u00ad")
+
+
+def _pasted_character_hint(c: str) -> Optional[str]:
+    """What to write instead of a character the lexer refuses, where one can say: `use '-'` for U+2212."""
+    if c in _ASCII_FOR:
+        return f"use '{_ASCII_FOR[c]}'"
+    if c in _INVISIBLE:
+        return "delete it: it is invisible, and not part of the language"
+    if unicodedata.category(c) == "Zs":
+        return "use an ordinary space"
+    ascii_form = unicodedata.normalize("NFKC", c)
+    if ascii_form != c and ascii_form.isascii() and ascii_form.isprintable() and ascii_form.strip():
+        return f"use '{ascii_form}'"
+    if c.isalnum() and not c.isascii():
+        hint = "only ASCII letters, digits and '_' may form a name"
+        if c in _LOOKALIKES:
+            hint += f"; this '{c}' looks like the Latin '{_LOOKALIKES[c]}'"
+        return hint
+    return None
+
+
+def _loc_at(path: str, source: str, pos: int) -> Loc:
+    """The one-character span at offset `pos` of `source` (lines counted at '\\n', as everywhere)."""
+    line = source.count("\n", 0, pos) + 1
+    col = pos - (source.rfind("\n", 0, pos) + 1) + 1
+    return Loc(path, line, col, line, col + 1)
+
+
+_HIDING = re.compile("[" + "".join(sorted(HIDING_CHARACTERS)) + "]")
+
+
+def _hiding_character_error(path: str, source: str, pos: int) -> SpecError:
+    """A line break only editors see, or a bidirectional-text control, at `pos` (anywhere: a comment too)."""
+    c = source[pos]
+    if c in BIDI_CONTROLS:
+        why = "it changes the order in which editors show the text around it"
+        hint = ("delete it: a bidirectional-text control can make code look other than the compiler reads it "
+                "(Trojan Source)")
+    else:
+        why = "editors may show a line break there, but the compiler reads none"
+        hint = "use an ordinary newline: in a comment, what editors show after it on a new line is still the comment"
+    return SpecError(f"the character {character_name(c)} is not allowed in a spec: {why}",
+                     _loc_at(path, source, pos), source, hint)
+
+
 def _bad_string_character(source: str, quote: int) -> Optional[int]:
     """The position of the first character a string may not hold, in the string opened at `quote`."""
     for i in range(quote + 1, len(source)):
@@ -258,8 +325,6 @@ def _string_character_ok(c: str) -> bool:
 
 
 def _string_character_error(path: str, source: str, pos: int) -> SpecError:
-    line = source.count("\n", 0, pos) + 1
-    col = pos - (source.rfind("\n", 0, pos) + 1) + 1
     c = source[pos]
     if c == "\\":
         what = "a backslash: strings have no escapes"
@@ -267,7 +332,7 @@ def _string_character_error(path: str, source: str, pos: int) -> SpecError:
         what = f"the control character U+{ord(c):04X}"
     return SpecError(
         f"syntax error: a string may not contain {what}",
-        Loc(path, line, col, line, col + 1),
+        _loc_at(path, source, pos),
         source,
         hint='a string is written "like this", on one line, with printable characters (tabs allowed) and '
         "without backslashes",
@@ -324,6 +389,12 @@ class _ToIR(Transformer):
         if math.isinf(value):
             raise SpecError(
                 f"number '{tok.value}' is too large for a float", _token_loc(self.path, tok), self.source
+            )
+        if value == 0 and any(d in "123456789" for d in re.split("[eE]", tok.value)[0]):
+            raise SpecError(
+                f"number '{tok.value}' is too small for a float: it underflows to 0", _token_loc(self.path, tok),
+                self.source, hint="the smallest positive float is about 4.9e-324 (fp32's, which the kernels compute "
+                "in, about 1.4e-45); write 0 for zero",
             )
         return -value if negative else value
 
@@ -562,8 +633,13 @@ def parse_spec(source: str, path: str = "<string>") -> ir.Spec:
     """Parse `.fopt` text into an (unchecked) `ir.Spec`.
 
     Raises:
-        SpecError: on any syntax error, located at the offending token.
+        SpecError: on any syntax error, located at the offending token; on a line break only editors see or a
+            bidirectional-text control anywhere (`errors.HIDING_CHARACTERS`); on a number literal that is not
+            a float (too large, or nonzero digits that underflow to 0).
     """
+    hiding = _HIDING.search(source)
+    if hiding is not None:
+        raise _hiding_character_error(path, source, hiding.start())
     try:
         tree = _parser().parse(source)
     except lark.exceptions.UnexpectedInput as err:
@@ -583,3 +659,22 @@ def parse_spec(source: str, path: str = "<string>") -> ir.Spec:
         raise
     except RecursionError:
         raise _too_deep(path, source) from None
+
+
+def default_loc(source: str, path: str, name_loc: Loc) -> Optional[Loc]:
+    """Where the default of the hyperparameter named at `name_loc` is written (`= 1e-8`, `= -1`, a tuple
+    member's `beta2 = 0.999`): its number, with its sign; None where no number follows the name."""
+    try:
+        tokens = iter(_parser().lex(source))
+        for tok in tokens:
+            if tok.line == name_loc.line and tok.column == name_loc.col:
+                break
+        else:
+            return None
+        equal, first = next(tokens, None), next(tokens, None)
+        number = next(tokens, None) if first is not None and first.type == "MINUS" else first
+    except lark.exceptions.LarkError:
+        return None
+    if equal is None or equal.type != "EQUAL" or number is None or number.type != "NUMBER":
+        return None
+    return Loc(path, first.line, first.column, number.end_line, number.end_column)

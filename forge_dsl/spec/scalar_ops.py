@@ -8,8 +8,21 @@ IEEE arithmetic, never a Python exception.
 from __future__ import annotations
 
 import math
+import struct
 
-__all__ = ["apply_scalar_op"]
+__all__ = ["apply_scalar_op", "fp32"]
+
+_FP32 = struct.Struct("f")
+
+
+def fp32(x: float) -> float:
+    """`x` rounded once to the nearest fp32 (ties to even), as a Python float: what a host value becomes where
+    the per-element program reads it (docs/LANGUAGE.md, section 6), as torch rounds a Python float that meets an
+    fp32 tensor. Beyond fp32's range, a signed inf; below half its smallest subnormal, a signed 0; NaN stays."""
+    try:
+        return _FP32.unpack(_FP32.pack(x))[0]
+    except OverflowError:  # struct refuses what rounds to inf
+        return math.copysign(math.inf, x)
 
 
 def _div(a: float, b: float) -> float:
@@ -106,7 +119,6 @@ _OPS = {
     "div": _div,
     "pow": _pow,
     "neg": lambda a: -a,
-    "recip": lambda a: _div(1.0, a),
     "sqrt": _sqrt,
     "rsqrt": _rsqrt,
     "abs": abs,

@@ -134,8 +134,10 @@ def test_lowering_hoists_host_scalars_and_shares_subexpressions():
     assert not any("bias_correction" in i.name for i in low.elem)
     elem_texts = [(i.op, i.args) for i in low.elem]
     assert len(elem_texts) == len(set(elem_texts))  # CSE: no instruction computed twice
-    # dividing by a host scalar becomes a multiply by its reciprocal
-    assert any(i.op == "recip" for i in low.host)
+    # dividing by a host scalar stays a division (a host reciprocal rounded to fp32 is not the same number):
+    # sqrt(exp_avg_sq) / sqrt(bias_correction2), as torch.optim.AdamW computes it
+    assert not any(i.op == "recip" for i in low.host + low.elem)
+    assert [i.args[1] for i in low.elem if i.op == "div"][0] in low.exports
 
 
 @pytest.mark.parametrize("shape", [(3, 130), (200,), (2, 3, 64), (), (0, 70), (5, 40)])
@@ -156,3 +158,62 @@ def test_init_state_encodes_like_quantizing_the_full_state(shape, layout):
         assert "sum.scale" not in state
     else:
         assert torch.equal(state["sum.scale"], scale)
+
+
+# (an expression of grad and lr, the per-element program it lowers to): only identities exact in IEEE
+# arithmetic (NaN, infinities and zeros' signs included) are folded.
+FOLDS = [
+    ("grad * 1", []), ("1 * grad", []), ("grad / 1", []), ("grad - 0", []), ("grad ** 1", []), ("-(-grad)", []),
+    ("grad / 2", ["mul(grad, 0.5)"]), ("grad / -0.25", ["mul(grad, -4)"]),
+    ("grad + 0", ["add(grad, 0)"]),           # -0.0 + 0 is +0.0
+    ("0 + grad", ["add(0, grad)"]),
+    ("0 - grad", ["sub(0, grad)"]),           # 0 - 0.0 is +0.0, -(0.0) is -0.0
+    ("grad * 0", ["mul(grad, 0)"]),           # NaN, inf and -0.0 for NaN, inf and negative grad
+    ("grad - grad", ["sub(grad, grad)"]),     # NaN for inf and NaN
+    ("grad / grad", ["div(grad, grad)"]),     # NaN for 0, inf and NaN
+    ("0 / grad", ["div(0, grad)"]),           # NaN for 0 and NaN, -0.0 for negative grad
+    ("grad / 3", ["div(grad, 3)"]),           # 1/3 is not a float
+    ("grad / lr", ["div(grad, lr)"]),         # a division by a host value stays one
+]
+
+
+@pytest.mark.parametrize("expr, program", FOLDS)
+def test_lowering_folds_only_exact_identities(expr, program):
+    from forge_dsl.compiler.lowering import lower
+    from forge_dsl.spec.checker import check_spec
+    from forge_dsl.spec.parser import parse_spec
+
+    spec = check_spec(parse_spec(f"optimizer folds\nhyper lr = 1\nstate s = 0\nupdate {{\n    s = {expr}\n"
+                                 "    param = param - lr * grad\n}\n"))
+    low = lower(spec, ())
+    out = dict(low.outputs)["s"]
+    if not program:
+        assert out.kind == "grad", low.describe()
+        return
+    lines = [line.strip() for line in low.describe().split("\n")]
+    assert [line.split(" = ", 1)[1] for line in lines if line.startswith(f"{out.name} = ")] == program, low.describe()
+
+
+def test_lowering_checks_a_spec_it_was_given_unchecked():
+    """lower() and reference_step() on a spec from parse_spec raised KeyError: 'undefined_name'."""
+    from forge_dsl.compiler.lowering import lower, lower_all
+    from forge_dsl.spec.errors import SpecError
+    from forge_dsl.spec.parser import parse_spec
+
+    spec = parse_spec("optimizer u\nhyper lr = 1\nupdate {\n    param = param - lr * undefined_name\n}\n", "u.fopt")
+    for call in (lambda: lower_all(spec), lambda: lower(spec, ()),
+                 lambda: forge_dsl.reference_step(spec, torch.zeros(3), torch.zeros(3), {}, step=1)):
+        with pytest.raises(SpecError, match=r"u.fopt:4:26: unknown name 'undefined_name'"):
+            call()
+
+
+def test_reference_step_names_a_missing_scalar_state():
+    """A state dict without NAdam's `mu_product` raised KeyError: 'mu_product'; it is a ValueError naming it,
+    as kernels.step's (init_state creates every state; a dict without it is not this spec's)."""
+    p = torch.randn(3, 4, dtype=torch.float64)
+    state = forge_dsl.init_state("nadam", p)
+    del state["mu_product"]
+    with pytest.raises(ValueError, match=r"state has no scalar state 'mu_product' \(needed by nadam\); create the "
+                                         r"state with forge_dsl.init_state"):
+        forge_dsl.reference_step("nadam", p, torch.randn_like(p), state, step=1)
+    assert set(state) == {"exp_avg", "exp_avg_sq"}

@@ -35,7 +35,7 @@ def without_compiler_hash(text: str) -> str:
 
 def test_golden_tiny_spec():
     """A tiny spec in, the exact generated text out (the compiler's hash aside).  Regenerate with:
-    forge-gen tests/golden/tiny.fopt -o tests/golden"""
+    forge-gen tests/compiler/golden/tiny.fopt -o tests/compiler/golden"""
     spec = forge_dsl.load_spec(str(GOLDEN / "tiny.fopt"))
     expected = (GOLDEN / "tiny.py").read_text()
     assert without_compiler_hash(render_module(spec, "beside")) == without_compiler_hash(expected)
@@ -120,3 +120,22 @@ def test_generated_header_names_spec_template_and_hashes():
 def test_every_spec_name_matches_its_file():
     for name in forge_dsl.builtin_names():
         assert forge_dsl.load_spec(name).name == name
+
+
+def test_stored_is_spelled_by_the_weights_own_rounding():
+    """`stored(x)` calls `tile_lib.stored_weight` with the update's weight arguments, splatting a host value to
+    a tile, and is imported only where a spec uses it; every update takes those arguments."""
+    from forge_dsl.spec.checker import check_spec
+    from forge_dsl.spec.parser import parse_spec
+
+    text = ("optimizer kahan\nhyper lr = 1e-3 in [0, inf)\nstate comp = 0 exact\nupdate {\n"
+            "    y = comp - stored(lr) * grad\n    new = param + y\n    comp = y - (stored(stored(new)) - param)\n"
+            "    param = new\n}\n")
+    module = render_module(check_spec(parse_spec(text, "kahan.fopt")))
+    assert "from forge_dsl.kernels.tile_lib import stored_weight\n" in module
+    assert ("def update_v0(b_param, b_grad, b_states, h, o_param, seed, W_BF16: tl.constexpr, "
+            "STOCHASTIC: tl.constexpr):") in module
+    assert "stored_weight(tl.where(b_param == b_param, h_lr, h_lr), o_param, seed, W_BF16, STOCHASTIC)" in module
+    assert module.count("stored_weight(v_new, o_param, seed, W_BF16, STOCHASTIC)") == 1  # stored(stored(x))
+    plain = render_module(forge_dsl.load_spec("sgd"))
+    assert "stored_weight" not in plain and "o_param, seed, W_BF16: tl.constexpr" in plain

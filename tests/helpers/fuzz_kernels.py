@@ -72,10 +72,10 @@ U = 2.0**-24  # fp32's unit roundoff
 TINY = 2.0**-149  # fp32's smallest subnormal: the absolute rounding of results in the subnormal range
 FLT_MAX = 3.4028234663852886e38
 OVERFLOW = 2.0**128 * (1 - 2.0**-25)  # the smallest value that rounds to inf
-ROUNDING = {"add": 1, "sub": 1, "mul": 1, "div": 4, "recip": 4, "sqrt": 4, "rsqrt": 4, "exp": 4, "log": 4,
+ROUNDING = {"add": 1, "sub": 1, "mul": 1, "div": 4, "sqrt": 4, "rsqrt": 4, "exp": 4, "log": 4,
             "atan": 8, "atan2": 8, "tanh": 8, "erf": 8, "log1p": 8, "expm1": 8}
 EXACT = {"neg", "abs", "sign", "min", "max", "clamp", "where"}
-MONOTONE = {"add", "sub", "mul", "div", "recip", "sqrt", "rsqrt", "exp", "log", "atan", "atan2", "tanh", "erf",
+MONOTONE = {"add", "sub", "mul", "div", "sqrt", "rsqrt", "exp", "log", "atan", "atan2", "tanh", "erf",
             "log1p", "expm1", "pow", "sign", "min", "max", "clamp", "neg"}
 ORDER = {"lt", "le", "gt", "ge"}
 
@@ -173,7 +173,7 @@ def _real_op(op: str, args: list[_Real]) -> _Real:
     else:
         assert op in MONOTONE, f"fuzz_kernels has no interval rule for '{op}': add one"
         centre, prop = _through(op, args)
-    if op in ("div", "recip"):
+    if op == "div":
         uncertain |= _straddles_zero(args[-1])
     elif op == "rsqrt":
         uncertain |= _straddles_zero(args[0])

@@ -1,13 +1,17 @@
 """NaN, infinity, zeros' signs and `**`: the kernels and the reference step agree on every operation.
 
 One semantics (docs/LANGUAGE.md, "Numbers"): IEEE / torch float64 results, NaN propagating (also
-through `sign`, `min`, `max`, `clamp`), every constant and host value rounded to the arithmetic's
-dtype (fp32 in the kernels). Each operation of the language is applied to a table of special inputs
-(NaN, +-inf, +-0, subnormal, tiny, large, negative, integer and fractional values, every pair of
-them) by the element-wise kernel on fp32 weights and state, and by `forge_dsl.reference_step` in
-float64; the float64 result rounded to fp32 must be NaN where the kernel's is NaN, the same infinity,
-and otherwise within fp32 error. Then the reference's own bugs: outputs that alias inputs, unary
+through `sign`, `min`, `max`, `clamp`), every constant and host value computed in float64 and
+rounded once to the arithmetic's dtype (fp32 in the kernels; docs/LANGUAGE.md, section 6). Each
+operation of the language is applied to a table of special inputs (NaN, +-inf, +-0, subnormal,
+tiny, large, negative, integer and fractional values, every pair of them) by the element-wise
+kernel on fp32 weights and state, and by `forge_dsl.reference_step` in float64; the float64 result
+rounded to fp32 must be NaN where the kernel's is NaN, the same infinity, and otherwise within fp32
+error. Then the reference's own bugs: outputs that alias inputs, unary
 operations of a host number, constants beyond fp32's range, and built-in Lion on a NaN gradient.
+Then host values as the kernels read them (rounded once to fp32, bit for bit against torch's fp32
+arithmetic), outputs that are plain inputs, and a schedule-free AdamW whose nonneg proof needs
+`1 - beta2 ** step > 0`.
 """
 
 from __future__ import annotations
@@ -548,3 +552,304 @@ def test_host_operations_match_torch_float64(op):
         want = [HOST_UNARY[op](t(a)).item() for (a,) in cases]
     bad = [(args, got, w) for args, w in zip(cases, want) if not _same_float(got := apply_scalar_op(op, *args), w)]
     assert not bad, f"{op}: {bad[:6]}"
+
+
+# ----------------------------------------------------------------------------
+# Host values reach the per-element program rounded once to fp32 (docs/LANGUAGE.md, section 6)
+# ----------------------------------------------------------------------------
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same fp32 values: NaN where the other is NaN, zeros of the same sign, everything else equal."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    nan = torch.isnan(a)
+    return bool(torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+                and torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan])))
+
+
+def run_fp32(path: str, grad: torch.Tensor, param: torch.Tensor, steps: int = 1, **hypers):
+    """(kernel's, fp32 reference's) param and state after `steps` steps from the same fp32 inputs."""
+    out = []
+    for run in ("kernel", "reference"):
+        p = param.clone().to(DEVICE if run == "kernel" else "cpu")
+        st = forge_dsl.init_state(path, p, **({"layout": "fp32"} if run == "kernel" else {}), **hypers)
+        for step in range(1, steps + 1):
+            g = grad.to(p.device)
+            if run == "kernel":
+                kernels.step(path, p, g, st, step=step, rounding="nearest", **hypers)
+            else:
+                forge_dsl.reference_step(path, p, g, st, step=step, **hypers)
+        out.append({"param": p.cpu(), **{k: v.cpu() for k, v in st.items()}})
+    return out
+
+
+def test_fp32_rounding_of_host_values_is_torchs():
+    """`kernel_calls.kernel_host_values` rounds each float to nearest even fp32, as torch converts a Python
+    float (halfway cases, the edges of fp32's range and its subnormals included); ints and bools stay."""
+    from forge_dsl.kernels.kernel_calls import kernel_host_values
+
+    gen = torch.Generator().manual_seed(7)
+    ulp_steps = torch.randint(-3, 4, (2000,), generator=gen).double()
+    base = (torch.randn(2000, generator=gen, dtype=torch.float64)
+            * torch.exp2(torch.randint(-160, 140, (2000,), generator=gen).double())).float().double()
+    halfway = base + ulp_steps * torch.abs(base) * 2.0**-25  # exact ties and near-ties of fp32
+    values = halfway.tolist() + [NAN, INF, -INF, 0.0, -0.0, 1e-50, -1e-50, 1e-40, 1e39, -1e39, 3.4028235e38,
+                                 3.4028235677973366e38, 3.4028235677973366e38 + 1.0141204801825835e31, 2.0**-150,
+                                 2.0**-150 * 1.0000001, 2.0**-149, 0.1, 1 / 3]
+    got = kernel_host_values(tuple(values) + (1, True, 2**40))
+    assert got[-3:] == (1, True, 2**40) and type(got[-2]) is bool and type(got[-3]) is int
+    want = torch.tensor(values, dtype=torch.float64).float().double().tolist()
+    assert all(type(v) is float for v in got[:-3])
+    bad = [(v, g, w) for v, g, w in zip(values, got, want)
+           if not _same_float(g, w) or (g == 0 and math.copysign(1, g) != math.copysign(1, w))]
+    assert not bad, bad[:6]
+
+
+def test_adamw_eps_below_fp32_is_zero_in_the_kernel_as_in_torch():
+    """`adamw(eps=1e-50)` at a zero gradient divides 0 by eps = 0 in fp32: NaN in torch, in the reference and in
+    the kernel (which read eps as float64 and gave 0.999 * param)."""
+    gen = torch.Generator().manual_seed(8)
+    param = torch.randn(6, 70, generator=gen)
+    grad = torch.zeros(6, 70)
+    kern, ref = run_fp32("adamw", grad, param, eps=1e-50, lr=1e-3)
+    theirs = param.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([theirs], lr=1e-3, eps=1e-50)
+    theirs.grad = grad.clone()
+    opt.step()
+    assert torch.isnan(theirs).all()
+    assert same_bits(ref["param"], theirs) and same_bits(kern["param"], theirs)
+
+
+def test_host_chain_beyond_fp32_is_float64_then_rounded_once(tmp_path):
+    """1,200 host temporaries growing by 1.5x reach 1e209: the host program keeps float64, so their ratio is
+    1.5; read by the per-element program, each is rounded once to fp32 (inf), in the kernel as in the reference."""
+    n = 1200
+    body = "    t0 = lr\n" + "".join(f"    t{i} = t{i - 1} * 1.5\n" for i in range(1, n + 1))
+    text = (f"optimizer host_chain\nhyper lr = 1e-2 in [0, inf)\nstate ratio = 0\nstate big = 0\nupdate {{\n{body}"
+            f"    ratio = grad * (t{n} / t{n - 1})\n    big = grad * t{n} / t{n - 1}\n"
+            "    param = param - lr * grad\n}\n")
+    path = _spec_file(tmp_path, text)
+    gen = torch.Generator().manual_seed(9)
+    grad, param = torch.randn(4, 70, generator=gen), torch.randn(4, 70, generator=gen)
+    kern, ref = run_fp32(path, grad, param)
+    t = [1e-2]
+    for _ in range(n):
+        t.append(t[-1] * 1.5)
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731  a Python float met by fp32, as torch rounds it
+    want = {"ratio": grad * f32(t[n] / t[n - 1]), "big": grad * f32(t[n]) / f32(t[n - 1])}
+    assert torch.isnan(want["big"]).all() and torch.isfinite(want["ratio"]).all()
+    for name, w in want.items():
+        assert same_bits(ref[name], w), name
+        assert same_bits(kern[name], w), name
+
+
+def _spec_file(tmp_path, text: str) -> str:
+    name = next(line.split()[1] for line in text.splitlines() if line.startswith("optimizer "))
+    path = tmp_path / f"{name}.fopt"
+    path.write_text(text)
+    return str(path)
+
+
+DIVISION_AND_ZEROS = """
+optimizer division_and_zeros "element / host stays a division; x + 0 and 0 - x keep IEEE zeros"
+hyper lr = 0.5 in [0, inf)
+hyper s = 1e-40
+
+state by_hyper = 0
+state by_host = 0
+state plus_zero = 0
+state zero_minus = 0
+state minus_zero = 0
+state times_one = 0
+
+update {
+    by_hyper = grad / s * lr
+    tiny = s * step
+    by_host = grad / tiny * lr
+    plus_zero = min(1 / (grad + 0), 1)
+    zero_minus = 1 / (0 - grad)
+    minus_zero = 1 / (grad - 0)
+    times_one = 1 / (grad * 1)
+    param = param - lr * grad
+}
+"""
+
+
+def test_division_by_a_host_value_and_additions_of_zero_are_ieee_fp32(tmp_path):
+    """`grad / s * lr` with a subnormal s was `grad * (1 / s) * lr`: 1 / s is inf in fp32, so the reference gave
+    -inf where IEEE fp32 and torch give -1e6; `grad + 0` was folded to `grad` and `0 - grad` to `-grad`, wrong
+    at -0.0 and +0.0. Kernel, reference and torch's fp32 arithmetic agree bit for bit."""
+    path = _spec_file(tmp_path, DIVISION_AND_ZEROS)
+    gen = torch.Generator().manual_seed(10)
+    grad = torch.randn(4, 70, generator=gen) * 1e-34
+    grad.view(-1)[:8] = torch.tensor([0.0, -0.0, NAN, INF, -INF, 1e-34, -2e-34, 1.0])
+    param = torch.randn(4, 70, generator=gen)
+    kern, ref = run_fp32(path, grad, param)
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    s, lr = f32(1e-40), f32(0.5)
+    want = {"by_hyper": grad / s * lr, "by_host": grad / f32(1e-40 * 1) * lr,
+            "plus_zero": torch.minimum(1 / (grad + 0.0), f32(1.0)), "zero_minus": 1 / (0.0 - grad),
+            "minus_zero": 1 / (grad - 0.0), "times_one": 1 / (grad * 1.0)}
+    by_hyper = want["by_hyper"].view(-1)
+    assert torch.isfinite(by_hyper[5]) and by_hyper[5] == -0.5 * by_hyper[6]  # 1e-34 / 1e-40: about 1e6
+    assert want["plus_zero"].view(-1)[1] == 1 and want["zero_minus"].view(-1)[0] == INF
+    for name, w in want.items():
+        for label, got in (("reference", ref[name]), ("kernel", kern[name])):
+            differ = torch.nonzero(~((got == w) | (got.isnan() & w.isnan()))).flatten()
+            assert same_bits(got, w), (name, label, describe(differ, grad, param, got, w))
+
+
+SUBNORMAL_HOST = """
+optimizer subnormal_host "a host value that is an fp32 subnormal"
+hyper lr = 0.5 in [0, inf)
+hyper s = 1e-40
+state q = 0
+update {
+    q = grad * s / s
+    param = param - lr * grad
+}
+"""
+
+
+def test_subnormal_host_value_is_fp32_arithmetic(tmp_path):
+    path = _spec_file(tmp_path, SUBNORMAL_HOST)
+    grad = torch.tensor([[1.2345678, 3.3, -7.1, 0.1]]).repeat(2, 16)
+    kern, ref = run_fp32(path, grad, torch.zeros_like(grad))
+    s = torch.tensor(1e-40, dtype=torch.float32)
+    assert same_bits(ref["q"], grad * s / s)
+    assert same_bits(kern["q"], grad * s / s)
+
+
+# ----------------------------------------------------------------------------
+# Outputs that are plain inputs, and a flag derived from a hyperparameter declared after it
+# ----------------------------------------------------------------------------
+
+PLAIN_OUTPUT = """
+optimizer {name} "the gradient only copied into a state"
+hyper lr = 1e-2 in [0, inf)
+state prev = 0
+update {{
+    param = param - lr * prev
+    prev = {copy}
+}}
+"""
+
+
+@pytest.mark.parametrize("copy", ["grad", "grad * 1", "-(-grad)"])
+def test_gradient_only_copied_into_a_state(copy, tmp_path):
+    """`prev = grad` (or what simplifies to it) made the reference raise KeyError: 'grad'."""
+    path = _spec_file(tmp_path, PLAIN_OUTPUT.format(name="copied_grad", copy=copy))
+    gen = torch.Generator().manual_seed(11)
+    param = torch.randn(3, 70, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(3, 70, generator=gen, dtype=torch.float64) for _ in range(3)]
+    p64, p32 = param.clone(), param.float()
+    st64, st32 = forge_dsl.init_state(path, p64), forge_dsl.init_state(path, p32, layout="fp32")
+    want, prev = param.clone(), torch.zeros_like(param)
+    for step, g in enumerate(grads, start=1):
+        forge_dsl.reference_step(path, p64, g, st64, step=step)
+        kernels.step(path, p32, g.float(), st32, step=step, rounding="nearest")
+        want, prev = want - 1e-2 * prev, g
+    assert torch.allclose(p64, want, rtol=1e-14, atol=0) and torch.equal(st64["prev"], grads[-1])
+    assert torch.equal(st32["prev"], grads[-1].float()) and len(mismatches(p32, want)) == 0
+
+
+FLAG_BEFORE_HYPER = """
+optimizer flag_first "a derived flag written above the hyperparameter it reads"
+flag moving = lr > 0
+hyper lr = 1e-2 in [0, inf)
+update {
+    param = where(moving, param - lr * grad, param)
+}
+"""
+
+
+@pytest.mark.parametrize("lr", [0.0, 0.1])
+def test_flag_derived_from_a_hyperparameter_declared_after_it(lr, tmp_path):
+    """Declarations come in any order (docs/LANGUAGE.md 2, 3.3): with lr = 0 the update is `param = param`,
+    which made the reference raise KeyError: 'param'."""
+    path = _spec_file(tmp_path, FLAG_BEFORE_HYPER)
+    gen = torch.Generator().manual_seed(12)
+    param = torch.randn(3, 70, generator=gen, dtype=torch.float64)
+    grad = torch.randn(3, 70, generator=gen, dtype=torch.float64)
+    p64, p32 = param.clone(), param.float()
+    forge_dsl.reference_step(path, p64, grad, forge_dsl.init_state(path, p64), step=1, lr=lr)
+    kernels.step(path, p32, grad.float(), forge_dsl.init_state(path, p32, layout="fp32"), step=1, rounding="nearest",
+                 lr=lr)
+    want = param - lr * grad
+    assert torch.allclose(p64, want, rtol=1e-15, atol=0) and len(mismatches(p32, want)) == 0
+
+
+# ----------------------------------------------------------------------------
+# Schedule-free AdamW with an AMSGrad-style bound (issue J, 11)
+# ----------------------------------------------------------------------------
+
+SF_ADAMW_AMS = """
+# Schedule-free AdamW (Defazio et al., 2024; constant weights c = 1 / step) whose ams_bound keeps a running
+# maximum of the bias-corrected second moment. 1 - beta2 ** step is in (0, 1] for beta2 in [0, 1) and
+# step >= 1, so the corrected moment, and its maximum, are non-negative.
+optimizer sf_adamw_ams "schedule-free AdamW with an optional ams_bound"
+
+hyper lr = 2.5e-3 in [0, inf)
+hyper betas = (beta1 = 0.9, beta2 = 0.999) in [0, 1)
+hyper eps = 1e-8 in [0, inf)
+hyper weight_decay = 0 in [0, inf)
+flag ams_bound = false
+
+state z = param
+state avg = param exact
+state exp_avg_sq = 0 nonneg
+state max_exp_avg_sq = 0 nonneg if ams_bound
+
+update {
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    corrected = exp_avg_sq / (1 - beta2 ** step)
+    if ams_bound {
+        max_exp_avg_sq = max(max_exp_avg_sq, corrected)
+        denom = sqrt(max_exp_avg_sq) + eps
+    } else {
+        denom = sqrt(corrected) + eps
+    }
+    z = z - lr * (grad / denom + weight_decay * param)
+    c = 1 / step
+    avg = (1 - c) * avg + c * z
+    param = (1 - beta1) * z + beta1 * avg
+}
+"""
+
+
+def _sf_adamw_torch(p, grads, lr, beta1, beta2, eps, weight_decay, ams_bound):
+    """SF_ADAMW_AMS written out in torch."""
+    z, avg = p.clone(), p.clone()
+    v, v_max = torch.zeros_like(p), torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        v = beta2 * v + (1 - beta2) * g * g
+        corrected = v / (1 - beta2**t)
+        if ams_bound:
+            v_max = torch.maximum(v_max, corrected)
+        denom = (v_max if ams_bound else corrected).sqrt() + eps
+        z = z - lr * (g / denom + weight_decay * p)
+        avg = (1 - 1 / t) * avg + (1 / t) * z
+        p = (1 - beta1) * z + beta1 * avg
+    return p, {"z": z, "avg": avg, "exp_avg_sq": v, **({"max_exp_avg_sq": v_max} if ams_bound else {})}
+
+
+@pytest.mark.parametrize("ams_bound", [False, True])
+def test_schedule_free_adamw_with_ams_bound_loads_and_kernels_agree(ams_bound, tmp_path):
+    path = _spec_file(tmp_path, SF_ADAMW_AMS)
+    spec = forge_dsl.load_spec(path)
+    assert [s.name for s in spec.states if s.nonneg] == ["exp_avg_sq", "max_exp_avg_sq"]
+    keywords = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, ams_bound=ams_bound)
+    gen = torch.Generator().manual_seed(13)
+    param = torch.randn(5, 70, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(5, 70, generator=gen, dtype=torch.float64) * (2.0 if t % 2 else 0.5) for t in range(4)]
+    want_p, want_state = _sf_adamw_torch(param, grads, 1e-2, 0.9, 0.99, 1e-8, 0.1, ams_bound)
+    p64, p32 = param.clone(), param.float()
+    st64, st32 = forge_dsl.init_state(path, p64, **keywords), forge_dsl.init_state(path, p32, layout="fp32", **keywords)
+    for step, g in enumerate(grads, start=1):
+        forge_dsl.reference_step(path, p64, g, st64, step=step, **keywords)
+        kernels.step(path, p32, g.float(), st32, step=step, rounding="nearest", **keywords)
+    assert set(st64) == set(want_state)
+    assert torch.allclose(p64, want_p, rtol=1e-12, atol=0)
+    assert (p32.double() - want_p).norm() <= 1e-5 * want_p.norm()
+    for name, want in want_state.items():
+        assert torch.allclose(st64[name], want, rtol=1e-12, atol=0), name
+        assert (st32[name].double() - want).norm() <= 1e-5 * want.norm(), name

@@ -11,6 +11,7 @@ test_reused_launch_writes_the_checked_bits.
 from __future__ import annotations
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -109,6 +110,15 @@ def _scalars(state):
     return {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
 
 
+def _same(a, b) -> bool:
+    """Equal launch arguments, a NaN host value equal to a NaN (RAdam's unrectified steps export one): host values
+    are new fp32-rounded floats on each path, so tuple equality, which matches NaN only by identity, does not do."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["w_bf16", "w_fp32"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", forge_dsl.builtin_names())
@@ -139,7 +149,7 @@ def test_reused_launch_passes_what_the_checked_path_binds(recorder, monkeypatch,
         checked = recorder.calls.pop()
         assert checked[0] == "run"
         assert reused[0] == ("run" if new_kind else "launcher"), f"step {step}"
-        assert reused[1] == checked[1], f"step {step}: the reused launch's arguments differ from the checked path's"
+        assert _same(reused[1], checked[1]), f"step {step}: the reused launch's arguments differ from the checked path's"
         assert all(torch.equal(after[k], state[k]) for k in after), f"step {step}: scalar state differs"
     assert reuse.entries() == 1
     if name in ("radam", "sgd_momentum"):
@@ -312,3 +322,25 @@ def test_a_runtime_flag_switching_between_steps_reuses_one_entry(recorder, monke
         checked = recorder.calls.pop()
         assert reused == (("run" if step <= 2 else "launcher"), checked[1]), f"step {step}"
     assert reuse.entries() == 1
+
+
+def test_a_state_the_checks_refuse_never_reuses_a_launch(recorder):
+    """A prepared launch is reused only for state dicts its key says were checked: int8 codes cast to float32
+    (their block scales still beside them) have the fp32 state's metadata, but the key tells them apart, and the
+    checked path refuses them (tests/kernels/test_state_checks.py has every refusal)."""
+    spec = forge_dsl.load_spec("adamw")
+    w, state = _problem(torch.bfloat16, "fp32", "adamw")
+    x, dy = _activations(1)
+    kernels.fused_linear_step(spec, x, dy, w, state, step=1, lr=1e-2, config=WS_CONFIG)
+    assert recorder.calls.pop()[0] == "run"
+    kernels.fused_linear_step(spec, x, dy, w, state, step=2, lr=1e-2, config=WS_CONFIG)
+    assert recorder.calls.pop()[0] == "launcher"
+    codes = forge_dsl.init_state(spec, w, layout="int8")
+    cast = {**state, "exp_avg": codes["exp_avg"].float(), "exp_avg.scale": codes["exp_avg.scale"]}
+    with pytest.raises(ValueError, match="'exp_avg' is torch.float32, but 'exp_avg.scale' .* sits beside it"):
+        kernels.fused_linear_step(spec, x, dy, w, cast, step=3, lr=1e-2, config=WS_CONFIG)
+    assert not recorder.calls
+    signed = {**codes, "exp_avg_sq": codes["exp_avg_sq"].view(torch.int8)}  # a nonneg state in int8 codes
+    with pytest.raises(ValueError, match="'exp_avg_sq' holds int8 codes, but adamw's 'exp_avg_sq' is declared"):
+        kernels.fused_linear_step(spec, x, dy, w, signed, step=3, lr=1e-2, config=WS_CONFIG)
+    assert not recorder.calls

@@ -27,9 +27,14 @@ CASES = sorted(p.stem for p in CORPUS.glob("*.fopt"))
 REGEN = os.environ.get("FORGE_REGEN_ERROR_CORPUS") == "1"
 
 
+def read(path) -> str:
+    """A corpus file's text exactly: UTF-8, no newline translation (cases hold U+2028, U+0085, ...)."""
+    return path.read_bytes().decode("utf-8")
+
+
 def load_error(stem: str) -> SpecError:
     rel = f"tests/spec/error_corpus/{stem}.fopt"
-    text = (CORPUS / f"{stem}.fopt").read_text()
+    text = read(CORPUS / f"{stem}.fopt")
     with pytest.raises(SpecError) as info:
         check_spec(parse_spec(text, rel))
     return info.value
@@ -46,14 +51,14 @@ def test_error_message(stem):
     err = load_error(stem)
     expected_path = CORPUS / f"{stem}.expected"
     if REGEN:
-        expected_path.write_text(str(err))
-    assert str(err) == expected_path.read_text()
+        expected_path.write_text(str(err), encoding="utf-8")
+    assert str(err) == read(expected_path)
 
 
 @pytest.mark.parametrize("stem", CASES)
 def test_error_is_located_in_the_file(stem):
     err = load_error(stem)
     assert err.loc is not None and err.loc.path == f"tests/spec/error_corpus/{stem}.fopt"
-    lines = (CORPUS / f"{stem}.fopt").read_text().split("\n")
+    lines = read(CORPUS / f"{stem}.fopt").split("\n")
     assert 1 <= err.loc.line <= len(lines)
     assert 1 <= err.loc.col <= len(lines[err.loc.line - 1]) + 1

@@ -1,8 +1,11 @@
 """Front-end cases that load (so the error corpus cannot hold them) or that need more than a message.
 
-The `nonneg` interval proof (sound with NaN, and the moving averages it knows),
-long chains of temporaries, strings, and the IR of the idioms: states that
-start from the weights, exact states, optional hyperparameters.
+The `nonneg` interval proof (sound with NaN, the moving averages and bias
+corrections it knows), long chains of temporaries, strings, and the IR of the
+idioms: states that start from the weights, exact states, optional
+hyperparameters. Then characters: those that hide code (refused anywhere) and
+those pasted from elsewhere (named, with a hint), number literals that are not
+floats, and defaults that leave their range in fp32.
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ def test_deeply_nested_expression_is_a_spec_error():
 
 # -- strings -------------------------------------------------------------------
 
-@pytest.mark.parametrize("char", ["\x00", "\x01", "\x1b", "\x7f", "\x85", "\u2028", "\u2029"])
+@pytest.mark.parametrize("char", ["\x00", "\x01", "\x1b", "\x7f", "\x9f"])
 def test_strings_refuse_control_characters(char):
     for text in [f'optimizer t "a{char}b"\nhyper lr = 1\nupdate {{ param = param - lr * grad }}\n',
                  f'optimizer t\nhyper lr = 1\nrequire lr > 0, "a{char}b"\nupdate {{ param = param - lr * grad }}\n']:
@@ -231,3 +234,161 @@ def test_optional_guard_must_imply_given():
     text = OPTIONAL.replace("flag warm = given(t_alpha) and lr > 0.5", "flag warm = given(t_alpha) or lr > 0.5")
     with pytest.raises(SpecError, match=r"'t_alpha' may be none here \(when has_t=false, warm=true\)"):
         load(text)
+
+
+# -- characters that hide code, and characters pasted from elsewhere ----------
+
+# Line breaks to editors but not to the lexer, and bidirectional-text controls (Trojan Source).
+HIDING = [0x2028, 0x2029, 0x85, 0x202A, 0x202B, 0x202C, 0x202D, 0x202E, 0x2066, 0x2067, 0x2068, 0x2069, 0x200E,
+          0x200F, 0x061C]
+HIDING_PLACES = {
+    "comment": ("optimizer t\nhyper lr = 1\nupdate {{\n    # clip{c}param = param * 0\n"
+                "    param = param - lr * grad\n}}\n"),
+    "string": 'optimizer t "a{c}b"\nhyper lr = 1\nupdate {{ param = param - lr * grad }}\n',
+    "code": "optimizer t\nhyper lr = 1\nupdate {{\n    param = param - lr * grad{c}\n}}\n",
+}
+
+
+@pytest.mark.parametrize("place", sorted(HIDING_PLACES))
+@pytest.mark.parametrize("code", HIDING, ids=lambda c: f"U+{c:04X}")
+def test_characters_that_hide_code_are_refused_anywhere(code, place):
+    """A comment that an editor ends at U+2028 (or reorders with U+202E) shows code the lexer never reads."""
+    import unicodedata
+
+    c = chr(code)
+    text = HIDING_PLACES[place].format(c=c)
+    with pytest.raises(SpecError) as info:
+        load(text)
+    name = "NEXT LINE" if code == 0x85 else unicodedata.name(c)
+    assert f"the character U+{code:04X} {name} is not allowed in a spec" in info.value.message
+    loc = info.value.loc
+    assert text.split("\n")[loc.line - 1][loc.col - 1] == c
+    assert c not in str(info.value)  # the quoted line shows a replacement, not the character itself
+
+
+# (text with `{c}` where the character goes, the character, what the hint says)
+PASTED = [
+    ("    param = p{c}ram - lr * grad", "\u0430",
+     "only ASCII letters, digits and '_' may form a name; this 'а' looks like the Latin 'a'"),
+    ("    param = param - lr * grad * b{c}ta", "\u00e9", "only ASCII letters, digits and '_' may form a name"),
+    ("    param = param - lr * gr{c}d", "\u03bf", "looks like the Latin 'o'"),
+    ("    param = param {c} lr * grad", "\u2212", "use '-'"),
+    ("    param = param {c} lr * grad", "\u2013", "use '-'"),
+    ("    param = param {c} lr * grad", "\u2014", "use '-'"),
+    ("    param = param - lr {c} grad", "\u00d7", "use '*'"),
+    ("    param = param - lr {c} grad", "\u00f7", "use '/'"),
+    ("    param = param {c} lr * grad", "\uff0b", "use '+'"),
+    ("    param = where(grad {c} 0, param, param - lr * grad)", "\u2264", "use '<='"),
+    ("    param = param -{c}lr * grad", "\u00a0", "use an ordinary space"),
+    ("    param = param -{c}lr * grad", "\u200b", "delete it"),
+    ("    param = param - lr * grad  {c}", "\u201c", "use '\"'"),
+]
+
+
+@pytest.mark.parametrize("line, char, hint", PASTED, ids=lambda v: f"U+{ord(v):04X}" if len(v) == 1 else None)
+def test_pasted_characters_say_their_code_point_and_a_hint(line, char, hint):
+    import unicodedata
+
+    text = f"optimizer t\nhyper lr = 1\nhyper bta = 1\nhyper gramd = 1\nupdate {{\n{line.format(c=char)}\n}}\n"
+    with pytest.raises(SpecError) as info:
+        load(text)
+    point = f"U+{ord(char):04X} {unicodedata.name(char)}"
+    assert info.value.message.startswith("syntax error: unexpected character ")
+    assert info.value.message.endswith(f"({point})" if char.isprintable() and not char.isspace() else point)
+    assert hint in info.value.hint
+    loc = info.value.loc
+    assert text.split("\n")[loc.line - 1][loc.col - 1] == char
+
+
+# -- number literals: underflow and overflow, and defaults in fp32 -------------
+
+LITERAL_PLACES = [
+    "hyper eps = {n} in (0, inf)\nupdate {{\n    param = param - lr * grad * eps\n}}",
+    "hyper eps = -{n}\nupdate {{\n    param = param - lr * grad * eps\n}}",
+    "hyper eps = 1 in [{n}, inf)\nupdate {{\n    param = param - lr * grad * eps\n}}",
+    "hyper pair = (e1 = 1, e2 = {n})\nupdate {{\n    param = param - lr * grad * e1 * e2\n}}",
+    "state m = {n}\nupdate {{\n    m = m + grad\n    param = param - lr * m\n}}",
+    "update {{\n    param = param - lr * grad * {n}\n}}",
+]
+
+
+@pytest.mark.parametrize("place", LITERAL_PLACES,
+                         ids=["default", "negative_default", "bound", "tuple_member", "initial_value", "expression"])
+@pytest.mark.parametrize("number, what", [("1e-400", "is too small for a float: it underflows to 0"),
+                                          ("0.00001e-320", "is too small for a float: it underflows to 0"),
+                                          ("1e999", "is too large for a float")])
+def test_literals_that_underflow_or_overflow_are_refused_where_written(place, number, what):
+    text = "optimizer t\nhyper lr = 1\n" + place.format(n=number) + "\n"
+    with pytest.raises(SpecError) as info:
+        load(text)
+    assert info.value.message == f"number '{number}' {what}"
+    loc = info.value.loc
+    assert text.split("\n")[loc.line - 1][loc.col - 1:loc.end_col - 1] == number
+
+
+@pytest.mark.parametrize("number, value", [("1e-310", 1e-310), ("0e-999", 0.0), ("0.000e-400", 0.0), (".0", 0.0),
+                                           ("4.9e-324", 5e-324)])
+def test_zero_and_subnormal_literals_load(number, value):
+    spec = load(f"optimizer t\nhyper lr = 1\nhyper eps = {number}\nupdate {{\n    param = param - lr * grad * eps\n}}"
+                "\n")
+    assert spec.hypers[1].default == value
+
+
+FP32_DEFAULTS = [  # (declaration, its default as written, the message)
+    ("hyper eps = 1e-50 in (0, inf)", "1e-50", "the default 1e-50 of 'eps' is 0 in fp32, outside its range (0, inf)"),
+    ("hyper eps = 0.99999999 in [0, 1)", "0.99999999",
+     "the default 0.99999999 of 'eps' is 1 in fp32, outside its range [0, 1)"),
+    ("hyper eps = 1e39 in [0, inf)", "1e39", "the default 1e+39 of 'eps' is inf in fp32, outside its range [0, inf)"),
+    ("hyper eps = -1e-50 in (-inf, 0)", "-1e-50",
+     "the default -1e-50 of 'eps' is -0 in fp32, outside its range (-inf, 0)"),
+    ("hyper e = (eps = 0.5, e2 = 1e-46) in (0, 1)", "1e-46",
+     "the default 1e-46 of 'e2' is 0 in fp32, outside its range (0, 1)"),
+]
+
+
+@pytest.mark.parametrize("decl, default, message", FP32_DEFAULTS)
+def test_default_whose_fp32_value_leaves_its_range_is_refused_at_the_default(decl, default, message):
+    uses = " * e2" if "e2" in decl else ""
+    text = f"optimizer t\nhyper lr = 1\n{decl}\nupdate {{\n    param = param - lr * grad * eps{uses}\n}}\n"
+    with pytest.raises(SpecError) as info:
+        load(text)
+    assert info.value.message == message
+    loc = info.value.loc
+    assert text.split("\n")[loc.line - 1][loc.col - 1:loc.end_col - 1] == default
+    assert "fp32" in info.value.hint
+
+
+@pytest.mark.parametrize("decl", ["hyper eps = 1e-50", "hyper eps = 1e-45 in (0, inf)", "hyper eps = 0.1 in [0, 0.1]",
+                                  "hyper eps = 3e38 in [0, inf)", "hyper eps = 0 in [0, inf)"])
+def test_defaults_that_fp32_holds_inside_their_range_load(decl):
+    load(f"optimizer t\nhyper lr = 1\n{decl}\nupdate {{\n    param = param - lr * grad * eps\n}}\n")
+
+
+# -- the nonneg proof: bias corrections (step >= 1, an integer) ---------------
+
+BIAS_CORRECTED = [
+    "grad * grad / (1 - b ** step)",             # (1 - b ** step) is in (0, 1] for b in [0, 1)
+    "max(v, grad * grad / (1 - b ** step))",     # schedule-free AdamW's ams_bound
+    "v / (1 - b)",
+    "v * (1 - (b - 1) ** step)",                 # |b - 1| <= 1: an integer power stays in [-1, 1]
+    "v + (1 - b ** step) * (grad * grad - v)",
+]
+
+
+@pytest.mark.parametrize("value", BIAS_CORRECTED)
+def test_bias_corrections_are_proven(value):
+    load(nonneg_spec(value, BETA))
+
+
+NOT_BIAS_CORRECTED = [
+    "grad * grad / (1 - c ** step)",             # c may be 1: 1 - c ** step may be 0
+    "grad * grad / (1 - b ** (step - 1))",       # b ** 0 is 1
+    "grad * grad / (1 - b ** lr)",               # lr may be 0
+    "v * (1 - (b - 2) ** step)",                 # (b - 2) ** step is unbounded
+]
+
+
+@pytest.mark.parametrize("value", NOT_BIAS_CORRECTED)
+def test_bias_corrections_that_can_divide_by_zero_are_refused(value):
+    with pytest.raises(SpecError, match="declared nonneg, but this value can be negative"):
+        load(nonneg_spec(value, BETA))

@@ -254,7 +254,8 @@ def _mutate_chars(text: str, data) -> str:
             chars[i], chars[j] = chars[j], chars[i]
             text = "".join(chars)
         else:
-            c = data.draw(st.sampled_from(list("(){}[]=+-*/<>.,#\"\n _0a\\") + ["\x00", "é", "\t", "\x1b", "\u2028"]))
+            odd = ["\x00", "é", "\t", "\x1b", "\u2028", "\u202e", "\u0430", "\u2212", "\xa0"]
+            c = data.draw(st.sampled_from(list("(){}[]=+-*/<>.,#\"\n _0a\\") + odd))
             text = text[:i] + c + text[i:]
     return text
 
@@ -284,7 +285,7 @@ def _mutate_tokens(text: str, data) -> str:
 
 BINARY_OPERATORS = ["+", "-", "*", "/", "**", "==", "!=", "<", "<=", ">", ">=", "and", "or"]
 NAME_LIKE = NAMES + ["true", "false", "inf", "not", "none", "exact", "nonneg", "param"]
-NUMBERS = ["0", "1", "2", "0.5", "1e-3", "1e999", "inf"]
+NUMBERS = ["0", "1", "2", "0.5", "1e-3", "1e999", "1e-400", "1e-50", "inf"]
 
 
 def _mutate_same_class(text: str, data) -> str:
@@ -476,8 +477,9 @@ def test_former_crashes(name):
 
 
 def test_odd_line_breaks_quote_the_right_line():
-    # str.splitlines() also splits at form feeds and U+2028; the parser counts '\n' only.
-    text = "optimizer c # \u2028 \x0c\nhyper lr = 1\x0c\nupdate {\n    param = param - lr * grd\n}\n"
+    # str.splitlines() also splits at form feeds and U+001C (and U+2028, which a spec may not hold); the parser
+    # counts '\n' only.
+    text = "optimizer c # \x1c \x0c\nhyper lr = 1\x0c\nupdate {\n    param = param - lr * grd\n}\n"
     with pytest.raises(SpecError) as info:
         check_spec(parse_spec(text, "odd.fopt"))
     assert str(info.value).split("\n")[1] == "        param = param - lr * grd"

@@ -20,7 +20,7 @@ from forge_dsl.spec.parser import parse_spec
 from repo import ROOT
 
 DOC = ROOT / "docs" / "LANGUAGE.md"
-TEXT = DOC.read_text()
+TEXT = DOC.read_text(encoding="utf-8")
 BLOCK = re.compile(r"^```(fopt|fopt-error)[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 BLOCKS = [(m.group(1), m.group(2), TEXT.count("\n", 0, m.start()) + 2) for m in BLOCK.finditer(TEXT)]
 VALID = [(text, line) for kind, text, line in BLOCKS if kind == "fopt"]
@@ -91,7 +91,7 @@ def test_error_list_covers_the_corpus():
     corpus = ROOT / "tests" / "spec" / "error_corpus"
     missing = []
     for expected in sorted(corpus.glob("*.expected")):
-        head = expected.read_text().split("\n")[0]
+        head = expected.read_bytes().decode("utf-8").split("\n")[0]
         message = re.sub(r"^tests/spec/error_corpus/[^:]+:\d+:\d+: ", "", head)
         if f"`{message}`" not in TEXT:
             missing.append(f"{expected.stem}: {message}")

@@ -440,3 +440,25 @@ def test_quick_passes_a_spec_whose_states_must_stay_exact(tmp_path):
     report = check_spec_kernels(str(path), quick=True)
     assert report.ok, report.reproducer
     assert {row.case.layout_label() for row in report.rows} >= {"int8", "mixed", "fp32"}
+
+
+# The gradient only copied into a state, and an output that simplifies to plain grad: reference_step raised
+# KeyError: 'grad' on both, so forge-test crashed before comparing anything.
+COPIED_GRAD = """
+optimizer copied_grad "a step by last step's gradient"
+hyper lr = 1e-2 in [0, inf)
+state prev = 0
+state same = 0
+update {
+    param = param - lr * prev
+    prev = grad
+    same = -(-grad) * 1
+}
+"""
+
+
+def test_quick_passes_a_spec_that_only_copies_the_gradient(tmp_path, cache, capsys):
+    path = write_spec(tmp_path, COPIED_GRAD, "copied_grad")
+    assert main([path, "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert " 0 failed" in out and "first failure" not in out
