@@ -35,10 +35,10 @@ GENERATOR_VERSION = "2"
 # render) and every forge_dsl module they import, as paths under forge_dsl/; with the grammar and the
 # templates they make the compiler hash.  The kernel library (kernels/tile_lib.py and the others the
 # generated code imports) is never copied into it, so it is not here: regenerating after changing it
-# writes the same bytes.  tests/compiler/test_cache.py checks that this list is the import closure of the
+# writes the same bytes.  tests/compiler/test_loader.py checks that this list is the import closure of the
 # pipeline.
-COMPILER_MODULES = ("compiler/codegen", "compiler/lowering", "spec/checker", "spec/errors", "spec/ir", "spec/nonneg",
-                    "spec/parser", "spec/printer", "spec/scalar_ops", "spec/variants")
+COMPILER_MODULES = ("compiler/codegen", "compiler/lowering", "spec/checker", "spec/errors", "spec/ir", "spec/names",
+                    "spec/nonneg", "spec/parser", "spec/printer", "spec/scalar_ops", "spec/variants")
 
 
 def _template_text(name: str) -> str:

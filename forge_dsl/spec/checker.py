@@ -20,13 +20,14 @@ combination of flag values (`variants.combinations`), after
 from __future__ import annotations
 
 import enum
-import keyword
 import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from . import ir
 from .errors import Loc, SpecError, did_you_mean
+from .names import (API_KEYWORDS, BUILTIN_FUNCTIONS, BUILTIN_VALUES, COLLIDING_NAMES, REDUCTIONS,
+                    RESERVED_NAMES, SCHEDULER_KEYS)
 from .nonneg import check_nonneg
 from .parser import default_loc
 from .printer import print_expr
@@ -46,60 +47,11 @@ from .variants import (
 __all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "Level", "MAX_FLAGS", "RESERVED_NAMES", "Type",
            "check_spec"]
 
-# name -> number of arguments
-BUILTIN_FUNCTIONS = {
-    "sqrt": 1,
-    "rsqrt": 1,
-    "abs": 1,
-    "sign": 1,
-    "exp": 1,
-    "log": 1,
-    "atan": 1,
-    "atan2": 2,
-    "tanh": 1,
-    "erf": 1,
-    "log1p": 1,
-    "expm1": 1,
-    "min": 2,
-    "max": 2,
-    "clamp": 3,
-    "where": 3,
-    "stored": 1,  # per element whatever its argument (ir.ELEMENT_FUNCTIONS)
-}
-
-# Functions a user may reach for that combine several elements.
-REDUCTIONS = {
-    "sum", "mean", "norm", "prod", "dot", "std", "var", "amax", "amin", "argmax", "argmin",
-    "cumsum", "cumprod", "matmul", "mm", "numel", "size", "softmax", "logsumexp", "median",
-    "topk", "sort", "roll", "shift", "outer", "trace", "any", "all", "count",
-}
-
-BUILTIN_VALUES = ("param", "grad", "step")
-
 _REDUCTION_HINT = (
     "FORGE updates each tile while its gradient is in registers, before other tiles exist; compute a norm "
     "or sum outside the optimizer and pass it as a hyperparameter each step"
 )
 
-# Names that would collide with Python (keyword arguments of the generated
-# launchers), Triton or the generated code's own names.
-_COLLIDING_NAMES = frozenset(
-    set(keyword.kwlist)
-    | set(getattr(keyword, "softkwlist", ()))
-    | {"tl", "triton", "torch", "math", "np", "numpy", "libdevice", "self", "cls"}
-    | {"spec", "state", "weight", "x", "dy", "seed", "layout", "rounding", "grid", "kernel", "meta"}
-    | {"int", "float", "bool", "len", "range", "print", "min_", "max_"}
-)
-# The named parameters of the Python API's entry points (kernels.fused_linear_step, slab_linear_step,
-# linear_step, step, kernels.foreach, init_state, reference_step, ForgeOptimizer), which take the
-# spec's keywords as **hypers: a hyperparameter or flag of the same name would be taken by the API.
-# tests/spec/test_reserved_names.py keeps this in step with their signatures.
-API_KEYWORDS = frozenset({
-    "spec", "param", "grad", "step", "state", "states", "params", "grads", "weight", "x", "dy", "model",
-    "seed", "rounding", "layout", "state_dtype", "fuse", "foreach", "linear_path", "path", "tf32", "config",
-    "slab_bytes", "initial_hypers", "self", "model_params", "lm_head_loss", "weight_dtype",
-})
-RESERVED_NAMES = _COLLIDING_NAMES | API_KEYWORDS
 
 MAX_FLAGS = 8
 
@@ -181,7 +133,7 @@ class _Checker:
         self.symbols[name] = symbol
 
     def check_name(self, name: str, loc: Loc) -> None:
-        if name in _COLLIDING_NAMES:
+        if name in COLLIDING_NAMES:
             raise self.error(
                 f"'{name}' is reserved (it would collide with Python, Triton or generated code); choose another name",
                 loc,
@@ -192,6 +144,9 @@ class _Checker:
                 "ForgeOptimizer, ...), which would take it instead of the spec's keyword; choose another name",
                 loc,
             )
+        if name in SCHEDULER_KEYS:
+            raise self.error(f"'{name}' is reserved: torch's learning-rate schedulers (or SWA) write it into every "
+                             "param group, which would replace the spec's value; choose another name", loc)
         if name.startswith("_") or "__" in name:
             raise self.error(
                 f"name '{name}' may not start with '_' or contain '__' (reserved for generated code)", loc

@@ -9,6 +9,8 @@ the API later fails here until `checker.API_KEYWORDS` has it too.
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +57,7 @@ def test_api_parameter_is_reserved(name):
     assert any(r in message for r in reasons), message
 
 
-@pytest.mark.parametrize("name", sorted(checker.API_KEYWORDS - checker._COLLIDING_NAMES - set(checker.BUILTIN_VALUES)))
+@pytest.mark.parametrize("name", sorted(checker.API_KEYWORDS - checker.COLLIDING_NAMES - set(checker.BUILTIN_VALUES)))
 def test_api_keyword_message_names_the_api(name):
     text = f"optimizer demo\nhyper lr = 1\nflag {name} = false\nupdate {{\n    param = where({name}, param, param - lr * grad)\n}}\n"
     with pytest.raises(SpecError, match=f"'{name}' is reserved: it is a keyword of forge_dsl's Python API"):
@@ -64,3 +66,32 @@ def test_api_keyword_message_names_the_api(name):
 
 def test_lr_is_not_reserved():
     check_spec(parse_spec("optimizer demo\nhyper lr = 1\nupdate {\n    param = param - lr * grad\n}\n"))
+
+
+def _scheduler_written_keys() -> set[str]:
+    """The param-group keys torch.optim's schedulers and SWA write, read from their source."""
+    import torch.optim
+
+    root = Path(torch.optim.__file__).parent
+    keys = set()
+    for module in ("lr_scheduler.py", "swa_utils.py"):
+        text = (root / module).read_text()
+        keys |= set(re.findall(r"""group\[\s*["'](\w+)["']\s*\]\s*=""", text))
+        keys |= set(re.findall(r"""group\.setdefault\(\s*["'](\w+)["']""", text))
+    return keys
+
+
+def test_every_key_a_scheduler_writes_is_reserved_or_scheduled_on_purpose():
+    """A spec hyperparameter named like a key torch's schedulers write (initial_lr, max_lr, ...) was silently
+    replaced by the scheduler's value (LambdaLR moved lr through initial_lr; OneCycleLR's max_lr became 3.0)."""
+    written = _scheduler_written_keys()
+    assert {"initial_lr", "max_lr", "swa_lr"} <= written, written  # the source was read
+    scheduled = {"lr", "momentum", "betas"}  # what schedulers are for: a spec's lr is meant to follow them
+    assert written - scheduled <= checker.RESERVED_NAMES, written - scheduled - checker.RESERVED_NAMES
+
+
+@pytest.mark.parametrize("name", sorted(checker.SCHEDULER_KEYS))
+def test_scheduler_key_is_refused_saying_why(name):
+    text = f"optimizer demo\nhyper {name} = 0.5\nupdate {{\n    param = param - {name} * grad\n}}\n"
+    with pytest.raises(SpecError, match=f"'{name}' is reserved: torch's learning-rate schedulers"):
+        check_spec(parse_spec(text, "demo.fopt"))

@@ -1,0 +1,65 @@
+"""The names the language gives a meaning or keeps from specs: its built-in functions and values, the
+reductions it refuses, and the names reserved because Python, Triton, the generated code, the Python API or
+torch's schedulers would take them (docs/LANGUAGE.md, section 10). The checker enforces them."""
+
+from __future__ import annotations
+
+import keyword
+
+__all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "COLLIDING_NAMES", "REDUCTIONS", "RESERVED_NAMES",
+           "SCHEDULER_KEYS"]
+
+# name -> number of arguments
+BUILTIN_FUNCTIONS = {
+    "sqrt": 1,
+    "rsqrt": 1,
+    "abs": 1,
+    "sign": 1,
+    "exp": 1,
+    "log": 1,
+    "atan": 1,
+    "atan2": 2,
+    "tanh": 1,
+    "erf": 1,
+    "log1p": 1,
+    "expm1": 1,
+    "min": 2,
+    "max": 2,
+    "clamp": 3,
+    "where": 3,
+    "stored": 1,  # per element whatever its argument (ir.ELEMENT_FUNCTIONS)
+}
+
+# Functions a user may reach for that combine several elements.
+REDUCTIONS = {
+    "sum", "mean", "norm", "prod", "dot", "std", "var", "amax", "amin", "argmax", "argmin",
+    "cumsum", "cumprod", "matmul", "mm", "numel", "size", "softmax", "logsumexp", "median",
+    "topk", "sort", "roll", "shift", "outer", "trace", "any", "all", "count",
+}
+
+BUILTIN_VALUES = ("param", "grad", "step")
+
+# Names that would collide with Python (keyword arguments of the generated
+# launchers), Triton or the generated code's own names.
+COLLIDING_NAMES = frozenset(
+    set(keyword.kwlist)
+    | set(getattr(keyword, "softkwlist", ()))
+    | {"tl", "triton", "torch", "math", "np", "numpy", "libdevice", "self", "cls"}
+    | {"spec", "state", "weight", "x", "dy", "seed", "layout", "rounding", "grid", "kernel", "meta"}
+    | {"int", "float", "bool", "len", "range", "print", "min_", "max_"}
+)
+# The named parameters of the Python API's entry points (kernels.fused_linear_step, slab_linear_step,
+# linear_step, step, kernels.foreach, init_state, reference_step, ForgeOptimizer), which take the
+# spec's keywords as **hypers: a hyperparameter or flag of the same name would be taken by the API.
+# tests/spec/test_reserved_names.py keeps this in step with their signatures.
+API_KEYWORDS = frozenset({
+    "spec", "param", "grad", "step", "state", "states", "params", "grads", "weight", "x", "dy", "model",
+    "seed", "rounding", "layout", "state_dtype", "fuse", "foreach", "linear_path", "path", "tf32", "config",
+    "slab_bytes", "initial_hypers", "self", "model_params", "lm_head_loss", "weight_dtype",
+})
+# The keys torch's learning-rate schedulers and SWA write into a param group beside lr, momentum and betas (which
+# they schedule on purpose): a hyperparameter of the same name would be replaced by their value.
+# tests/spec/test_reserved_names.py reads torch.optim's source to keep this complete.
+SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr",
+                            "param_names"})
+RESERVED_NAMES = COLLIDING_NAMES | API_KEYWORDS | SCHEDULER_KEYS
