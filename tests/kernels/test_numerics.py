@@ -523,7 +523,7 @@ HOST_VALUES = [NAN, INF, -INF, 0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.0, 
                -1e-310, 1e300, -1e300, 401.0, -401.0, 1e20, -1e20, 7.0, -10.0, 800.0]
 HOST_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
                "atan2": torch.atan2, "min": torch.minimum, "max": torch.maximum}
-HOST_UNARY = {"neg": torch.neg, "recip": torch.reciprocal, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+HOST_UNARY = {"neg": torch.neg, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
               "abs": torch.abs, "exp": torch.exp, "log": torch.log, "atan": torch.atan, "tanh": torch.tanh,
               "erf": torch.erf, "log1p": torch.log1p, "expm1": torch.expm1,
               "sign": lambda t: torch.where(torch.isnan(t) | (t == 0), t, torch.sign(t))}

@@ -106,9 +106,10 @@ def test_fused_kernel_compiles_for_sm90_without_spills(resources, index):
     # int4 state in the warp-specialized kernel 0–16 B (v21, v22).
     # The warp-specialized kernel's partitions share 64 K registers (96 per thread at launch): NAdam's epilogue
     # spills 40 B with Triton 3.9, none with 3.6.
-    # int4 state in those capped tiles 608 B (AdamW, Triton 3.9): measured 0.355 ms against 0.313 in 64×64 tiles
+    # int4 state in those capped tiles 808 B (AdamW, Triton 3.9; 608 B while sqrt(v) / sqrt(bias_correction2) was
+    # a multiplication by a host reciprocal, docs/PERF.md v23): measured 0.355 ms against 0.313 in 64×64 tiles
     # without the cap (v22), left until a GPU where this kernel is the default decides.
-    allowed = {"int8": 400, "int4": 640}.get(layout, 96) if cfg.launch_maxnreg else 0
+    allowed = {"int8": 400, "int4": 820}.get(layout, 96) if cfg.launch_maxnreg else 0
     assert res["stack_bytes"] <= allowed, f"{CASES[index]} spills: {res}"
     assert res["registers"] <= 255
     assert res["shared_bytes"] <= SHARED_MEMORY_PER_PROGRAM, f"{CASES[index]} cannot launch: {res}"

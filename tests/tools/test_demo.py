@@ -22,8 +22,8 @@ def test_held_bytes_counts_storages_once_and_consumed_grads_not_at_all():
     assert type(model.weight.grad).__name__ == "ConsumedGrad"
     assert demo.grad_bytes(model) == 64 * 4  # the bias's gradient only: the weight was updated in backward
     opt.step()
-    # exp_avg and exp_avg_sq of both parameters in fp32, and each parameter's step (fp32) and seed (int64)
-    assert demo.state_bytes(opt) == 2 * (64 * 64 + 64) * 4 + 2 * (4 + 8)
+    # exp_avg and exp_avg_sq of both parameters in fp32, and each parameter's step (float64) and seed (int64)
+    assert demo.state_bytes(opt) == 2 * (64 * 64 + 64) * 4 + 2 * (8 + 8)
 
 
 @pytest.mark.slow
