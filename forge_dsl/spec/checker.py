@@ -29,7 +29,6 @@ from .errors import Loc, SpecError, did_you_mean
 from .names import (API_KEYWORDS, BUILTIN_FUNCTIONS, BUILTIN_VALUES, COLLIDING_NAMES, REDUCTIONS,
                     RESERVED_NAMES, SCHEDULER_KEYS)
 from .nonneg import check_nonneg
-from .parser import default_loc
 from .printer import print_expr
 from .scalar_ops import fp32
 from .variants import (
@@ -227,7 +226,7 @@ class _Checker:
         shown = "-0" if value == 0 and math.copysign(1.0, value) < 0 else ir.format_number(value)
         raise self.error(
             f"the default {ir.format_number(h.default)} of '{h.name}' is {shown} in fp32, outside its range {iv}",
-            default_loc(self.spec.source, h.loc.path, h.loc) or h.loc,
+            h.default_loc if h.default_loc is not ir.NO_LOC else h.loc,
             hint="the kernels read each hyperparameter rounded to fp32 (docs/LANGUAGE.md, section 6); choose a "
             "default that fp32 holds inside the range",
         )

@@ -182,6 +182,7 @@ class Hyper:
     index: Optional[int] = None
     optional: bool = False
     loc: Loc = _loc()
+    default_loc: Loc = _loc()  # where the default's number is written (its sign included)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from lark import Lark, Token, Transformer, v_args
 from . import ir
 from .errors import BIDI_CONTROLS, HIDING_CHARACTERS, Loc, SpecError, character_name
 
-__all__ = ["parse_spec", "grammar_text", "default_loc"]
+__all__ = ["parse_spec", "grammar_text"]
 
 
 def grammar_text() -> str:
@@ -367,6 +367,18 @@ def _too_deep(path: str, source: str, where=None) -> SpecError:
     )
 
 
+
+class _WrittenNumber(float):
+    """A number of the spec with where it is written (`loc`), while the parser builds the IR: a hyperparameter's
+    default keeps its place (`ir.Hyper.default_loc`); the IR itself holds plain floats."""
+
+    loc: Loc
+
+    def __new__(cls, value: float, loc: Loc) -> "_WrittenNumber":
+        number = super().__new__(cls, value)
+        number.loc = loc
+        return number
+
 def _token_loc(path: str, tok: Token) -> Loc:
     return Loc(path, tok.line, tok.column, tok.end_line, tok.end_column)
 
@@ -399,11 +411,13 @@ class _ToIR(Transformer):
         return -value if negative else value
 
     # -- numbers and bounds ------------------------------------------------
-    def signed_number(self, children):
-        return self._number(children[0])
+    @v_args(meta=True)
+    def signed_number(self, meta, children):
+        return _WrittenNumber(self._number(children[0]), self._loc(meta))
 
-    def negative_number(self, children):
-        return self._number(children[0], negative=True)
+    @v_args(meta=True)
+    def negative_number(self, meta, children):
+        return _WrittenNumber(self._number(children[0], negative=True), self._loc(meta))
 
     def pos_inf(self, children):
         return math.inf
@@ -419,7 +433,7 @@ class _ToIR(Transformer):
 
     def interval(self, children):
         low_closed, low, high, high_closed = children
-        return ir.Interval(low, high, low_closed, high_closed)
+        return ir.Interval(float(low), float(high), low_closed, high_closed)
 
     # -- declarations ------------------------------------------------------
     @v_args(meta=True)
@@ -431,7 +445,7 @@ class _ToIR(Transformer):
     @v_args(meta=True)
     def hyper(self, meta, children):
         name, rest = children[0], children[1:]
-        default: Optional[float] = None
+        default: Optional[_WrittenNumber] = None
         optional = False
         interval = ir.UNBOUNDED
         for item in rest:
@@ -441,7 +455,8 @@ class _ToIR(Transformer):
                 optional = True
             else:
                 default = item
-        return ir.Hyper(str(name), default, interval, optional=optional, loc=_token_loc(self.path, name))
+        return ir.Hyper(str(name), None if default is None else float(default), interval, optional=optional,
+                        loc=_token_loc(self.path, name), default_loc=ir.NO_LOC if default is None else default.loc)
 
     @v_args(meta=True)
     def component(self, meta, children):
@@ -454,7 +469,7 @@ class _ToIR(Transformer):
         interval = children[-1] if isinstance(children[-1], ir.Interval) else ir.UNBOUNDED
         comps = [c for c in children[1:] if isinstance(c, tuple)]
         members = tuple(
-            ir.Hyper(cname, value, interval, group=str(name), index=i, loc=cloc)
+            ir.Hyper(cname, float(value), interval, group=str(name), index=i, loc=cloc, default_loc=value.loc)
             for i, (cname, value, cloc) in enumerate(comps)
         )
         group = ir.HyperGroup(str(name), tuple(m.name for m in members), interval, loc=_token_loc(self.path, name))
@@ -659,22 +674,3 @@ def parse_spec(source: str, path: str = "<string>") -> ir.Spec:
         raise
     except RecursionError:
         raise _too_deep(path, source) from None
-
-
-def default_loc(source: str, path: str, name_loc: Loc) -> Optional[Loc]:
-    """Where the default of the hyperparameter named at `name_loc` is written (`= 1e-8`, `= -1`, a tuple
-    member's `beta2 = 0.999`): its number, with its sign; None where no number follows the name."""
-    try:
-        tokens = iter(_parser().lex(source))
-        for tok in tokens:
-            if tok.line == name_loc.line and tok.column == name_loc.col:
-                break
-        else:
-            return None
-        equal, first = next(tokens, None), next(tokens, None)
-        number = next(tokens, None) if first is not None and first.type == "MINUS" else first
-    except lark.exceptions.LarkError:
-        return None
-    if equal is None or equal.type != "EQUAL" or number is None or number.type != "NUMBER":
-        return None
-    return Loc(path, first.line, first.column, number.end_line, number.end_column)
