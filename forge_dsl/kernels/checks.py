@@ -43,7 +43,6 @@ def check_config(cfg: TileConfig, quantized: bool) -> None:
                          f"{BLOCK} for int8 state; use a smaller epilogue_split or a larger block_k, got {cfg}")
 
 
-
 def check_device(t: torch.Tensor, what: str) -> None:
     if t.is_meta:
         raise ValueError(f"{what} is a meta tensor, which has no data to update; materialize it first "
@@ -58,15 +57,12 @@ def check_device(t: torch.Tensor, what: str) -> None:
 _EXACT: dict[int, tuple[Any, frozenset]] = {}  # id(spec) -> (spec, names): hashing a spec walks its whole IR
 
 
-
-
 def exact_states(spec) -> frozenset[str]:
     """The states of `spec` that only an fp32 tensor may hold (`ir.State.must_stay_exact`)."""
     hit = _EXACT.get(id(spec))
     if hit is None or hit[0] is not spec:
         hit = _EXACT[id(spec)] = (spec, frozenset(s.name for s in spec.states if s.must_stay_exact))
     return hit[1]
-
 
 
 @dataclass(frozen=True)
@@ -163,7 +159,7 @@ def check_state_kind(spec, name: str, state, param_shape, what: str = "") -> Sta
         raise ValueError(f"{what} of {spec.name} must stay exact (see forge_dsl.api.state_layout) but is "
                          f"stored as {t.dtype}; create it with forge_dsl.init_state, which keeps it float32")
     if is_quantized(layout):
-        nonneg = _nonneg(spec, name)
+        nonneg = any(s.nonneg for s in spec.states if s.name == name)
         want = quantized_layout(layout.layout_name, nonneg)
         if layout != want:
             declared = "declared nonneg" if nonneg else "not declared nonneg (signed)"
@@ -174,21 +170,9 @@ def check_state_kind(spec, name: str, state, param_shape, what: str = "") -> Sta
     return layout
 
 
-_NONNEG: dict[int, tuple[Any, frozenset]] = {}  # id(spec) -> (spec, names), as _EXACT
-
-
-def _nonneg(spec, name: str) -> bool:
-    hit = _NONNEG.get(id(spec))
-    if hit is None or hit[0] is not spec:
-        hit = _NONNEG[id(spec)] = (spec, frozenset(s.name for s in spec.states if s.nonneg))
-    return name in hit[1]
-
-
-
 def any_quantized(layouts: tuple[int, ...]) -> bool:
     """Whether any state (by its layout code, as in `StateArgs.layouts`) is int8 / uint8 quantized."""
     return any(is_quantized(code) for code in layouts)
-
 
 
 def weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
@@ -197,7 +181,6 @@ def weight_view(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
     if t.dtype == torch.float32:
         return t, False
     raise ValueError(f"{what} has dtype {t.dtype}; the kernels support float32 and bfloat16")
-
 
 
 def check_linear(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, rounding: str):
@@ -227,7 +210,6 @@ def check_linear(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, roundi
     return x.reshape(T, K), dy.reshape(T, N)
 
 
-
 def check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tma_ok: bool, cfg: TileConfig) -> None:
     """Refuse a warp-specialized config where `gluon_lib.fused_ws` cannot run, saying what to use instead."""
     if fused_ws is None:
@@ -243,7 +225,6 @@ def check_warp_specialized(fused_ws, x2: torch.Tensor, weight: torch.Tensor, tma
         raise ValueError("the warp-specialized kernel reads x and dy through TMA: both need at least one token, rows "
                          "of contiguous elements, 16-byte aligned starts and row strides; use a config without "
                          "mma_warps")
-
 
 
 def tma_readable(t: torch.Tensor) -> bool:

@@ -34,7 +34,7 @@ from ..spec.loading import SpecLike, load_spec
 from ..compiler.loader import compiled_variants
 from .checks import DEFAULT_ROUNDING, DEFAULT_SEED, check_state, check_state_kind
 from .layouts import BLOCK, as_rows, holds_codes, layout_of, n_blocks, storage_shape
-from .steps import _resolved_hypers
+from .steps import resolved_hypers
 from .steps import step as elementwise_step
 
 __all__ = ["FOREACH_MAX_ELEMENTS", "foreach_step", "shared_launch_key"]
@@ -161,7 +161,7 @@ def foreach_step(
                          f"{len(grads)} grads and {len(states)} states")
     if not params:
         return
-    names = compiled_variants(spec)[_resolved_hypers(spec, hypers).variant].states
+    names = compiled_variants(spec)[resolved_hypers(spec, hypers).variant].states
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
         _check_one(spec, i, p, g, s, names)
     keys = [shared_launch_key(spec, p, g, s) for p, g, s in zip(params, grads, states)]

@@ -59,7 +59,8 @@ from .policy import (
     stored_bytes,
 )
 
-__all__ = ["fused_linear_step", "slab_linear_step", "linear_step", "step", "ParamUpdate", "TileConfig", "mix_seed"]
+__all__ = ["fused_linear_step", "slab_linear_step", "linear_step", "step", "ParamUpdate", "TileConfig", "mix_seed",
+           "resolved_hypers"]
 
 
 class ParamUpdate:
@@ -153,7 +154,7 @@ class ParamUpdate:
 
 def _variant(spec, hypers: dict, step: int, state):
     """(the variant's update function, the states it reads, its host scalars, the new scalar state) of one step."""
-    cfg = _resolved_hypers(spec, hypers)
+    cfg = resolved_hypers(spec, hypers)
     host, update, names = compiled_variants(spec)[cfg.variant]
     check_step(step)
     missing = [s.name for s in spec.scalars if s.name not in state]
@@ -174,11 +175,11 @@ def _kernel_host(host):
     return rounded
 
 
-_RESOLVED: dict = {}  # (id(spec), keywords) -> (spec, StepConfig): see _resolved_hypers
+_RESOLVED: dict = {}  # (id(spec), keywords) -> (spec, StepConfig): see resolved_hypers
 _RESOLVED_MAX = 256
 
 
-def _resolved_hypers(spec, hypers: dict):
+def resolved_hypers(spec, hypers: dict):
     """`resolve_hypers(spec, hypers)`, remembered for keywords of plain numbers, bools and tuples of numbers
     (a training loop passes the same ones every step, and resolving them took ~25 % of a call's host time,
     docs/PERF.md v9c); tensors (e.g. a tensor lr, which may change in place) are resolved every time. Only
@@ -314,7 +315,7 @@ def _reuse_key(spec, hypers: dict, x, dy, weight, state, rounding, tf32, config)
             or (config is None and weight.numel() < WS_MIN_ELEMENTS)):
         return None
     try:
-        resolved = _resolved_hypers(spec, hypers)
+        resolved = resolved_hypers(spec, hypers)
     except (ValueError, TypeError):
         return None
     names = compiled_variants(spec)[resolved.variant].states

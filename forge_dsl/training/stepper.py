@@ -21,7 +21,7 @@ import torch
 
 from ..api import init_state
 from ..kernels.foreach import _step_flat
-from ..kernels.steps import ParamUpdate, linear_step, mix_seed
+from ..kernels.steps import ParamUpdate, linear_step, mix_seed, resolved_hypers
 from ..kernels.steps import step as elementwise_step
 from ..spec import ir
 from ..spec.keywords import resolve_hypers
@@ -112,8 +112,14 @@ class ParamStepper:
             ValueError: naming the param group and its keyword, or the parameter, and what to do.
         """
         for i, group in enumerate(self.param_groups):
+            hypers = self.group_hypers(group)
             try:
-                resolve_hypers(self.spec, self.group_hypers(group), caller="step")
+                resolved_hypers(self.spec, hypers)  # remembered while the group's keywords stay the same
+                continue
+            except (TypeError, ValueError):
+                pass
+            try:  # refused: again, for the message that names the caller
+                resolve_hypers(self.spec, hypers, caller="step")
             except (TypeError, ValueError) as err:
                 raise ValueError(self._refusal(f"param group {i}: {err}", f"set a valid value in "
                                                f"optimizer.param_groups[{i}] (a learning-rate schedule's bug?)")

@@ -717,26 +717,26 @@ def test_auto_linear_path():
 
 
 def test_resolved_hypers_are_remembered_only_where_they_cannot_change():
-    """`steps._resolved_hypers` (the per-call keyword resolution, remembered: docs/PERF.md v9c) gives what
+    """`steps.resolved_hypers` (the per-call keyword resolution, remembered: docs/PERF.md v9c) gives what
     `resolve_hypers` gives, tells apart keywords that resolve differently, and never remembers a tensor or
     a failure."""
     spec = forge_dsl.load_spec("adamw")
     kw = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.1}
-    got = steps._resolved_hypers(spec, dict(kw))
-    assert got == resolve_hypers(spec, kw) and steps._resolved_hypers(spec, dict(kw)) is got
-    zero, minus_zero = (steps._resolved_hypers(spec, {**kw, "weight_decay": z}) for z in (0.0, -0.0))
+    got = steps.resolved_hypers(spec, dict(kw))
+    assert got == resolve_hypers(spec, kw) and steps.resolved_hypers(spec, dict(kw)) is got
+    zero, minus_zero = (steps.resolved_hypers(spec, {**kw, "weight_decay": z}) for z in (0.0, -0.0))
     assert math.copysign(1.0, zero.hypers["weight_decay"]) == 1.0
     assert math.copysign(1.0, minus_zero.hypers["weight_decay"]) == -1.0
     lr = torch.tensor(1e-3)
-    assert steps._resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(1e-3)
+    assert steps.resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(1e-3)
     lr.fill_(2e-3)  # a scheduler may change a tensor lr in place
-    assert steps._resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(2e-3)
+    assert steps.resolved_hypers(spec, {**kw, "lr": lr}).hypers["lr"] == pytest.approx(2e-3)
     for _ in range(2):
         with pytest.raises(ValueError, match="Invalid lr"):
-            steps._resolved_hypers(spec, {**kw, "lr": -1.0})
+            steps.resolved_hypers(spec, {**kw, "lr": -1.0})
     nadam = forge_dsl.load_spec("nadam")
-    assert steps._resolved_hypers(nadam, {"lr": 1e-3}).combo != ()  # another spec: its own flags
-    assert steps._resolved_hypers(nadam, {"lr": 1e-3}) == resolve_hypers(nadam, {"lr": 1e-3})
+    assert steps.resolved_hypers(nadam, {"lr": 1e-3}).combo != ()  # another spec: its own flags
+    assert steps.resolved_hypers(nadam, {"lr": 1e-3}) == resolve_hypers(nadam, {"lr": 1e-3})
 
 
 def test_tma_readable_without_reshaping():
