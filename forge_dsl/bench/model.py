@@ -33,7 +33,11 @@ row computes it by `--loss`:
     inplace       lean_loss.causal_lm_loss_inplace: the same loss from fp32 chunks of rows, the gradient
                   written into the bf16 logits in the forward (Liger-Kernel's cross-entropy, in PyTorch)
 
-Each run starts from an empty allocator with a fresh model.  After the warm-up
+The methods of one configuration run interleaved, `--rounds` times (default 3 on CUDA), rotated so that each
+runs first in turn: this GPU's speed drifts 15–20 % between minutes, more than most differences measured here,
+so a row's step time is the median of its rounds' medians and its ratio to the configuration's first method is
+the median of the per-round ratios, shown with their spread; a ratio holds only where it holds in every round.
+Each run starts from an empty allocator with a fresh model, in this process.  After the warm-up
 steps: peak memory, the median step time (cuda-synchronized), tokens/s, and the
 memory pools, each measured in the run itself:
 
@@ -93,7 +97,7 @@ __all__ = [
     "PATH_METHODS", "PEAK_POOLS", "PHASES", "SINGLE_GPU_METHODS", "SavedBytes", "StepMemory", "TP_METHODS",
     "add_arguments", "build_model", "enable_checkpointing", "free_memory", "fused_head_applies", "gib",
     "instrument", "is_oom", "materialized_grad_bytes", "measure", "peak_pools", "plot", "resident_at_peak",
-    "resolve_settings", "run", "run_one", "table", "train_step",
+    "resolve_settings", "rotated", "run", "run_one", "table", "train_step", "with_ratios", "combine_rounds",
 ]
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -171,6 +175,11 @@ def add_arguments(ap) -> None:
                          "it); default: off")
     ap.add_argument("--warmup", type=int, default=2, help="steps before measuring (default 2)")
     ap.add_argument("--steps", type=int, default=4, help="measured steps, median taken (default 4)")
+    ap.add_argument("--rounds", type=int,
+                    help="rounds of each configuration, the methods interleaved (rotated each round so that none "
+                         "always runs first), each run with a fresh model; a row reports the median of the rounds' "
+                         "medians, every step time, and its ratio to the first method with the rounds' spread "
+                         "(default: 3 on CUDA, 1 on the CPU)")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="shard each model over N GPUs of this host, run under torchrun --nproc-per-node N: "
                          "tensor parallelism, or FSDP2 for fsdp2-torch-adamw (forge_dsl/bench/parallel.py; default "
@@ -202,15 +211,16 @@ def resolve_settings(args, device: torch.device) -> dict:
             ([32] if cpu else ([512] if args.quick else [512, 2048]))
     except ValueError:
         raise UsageError(f"--seq expects comma-separated integers, got {args.seq!r}") from None
-    if args.warmup < 1 or args.steps < 1:
-        raise UsageError("--warmup and --steps must be at least 1")
+    rounds = args.rounds if getattr(args, "rounds", None) is not None else (1 if cpu else 3)
+    if args.warmup < 1 or args.steps < 1 or rounds < 1:
+        raise UsageError("--warmup, --steps and --rounds must be at least 1")
     checkpointing = args.checkpointing or ("off" if args.quick else "both")
     return {"models": models, "methods": methods, "batch": 1, "seq": seqs,
             "checkpointing": [False, True] if checkpointing == "both" else [checkpointing == "on"],
             "offload": [False, True] if args.offload == "both" else [args.offload == "on"],
             "compile": [False, True] if args.compile == "both" else [args.compile == "on"],
             "loss": args.loss, "forge_head": args.forge_head == "on", "warmup_steps": args.warmup,
-            "measured_steps": args.steps, "lr": LR, "dtype": "bf16", "tp": tp,
+            "measured_steps": args.steps, "rounds": rounds, "lr": LR, "dtype": "bf16", "tp": tp,
             "dims": {m: MODELS[m][1] for m in models}}
 
 
@@ -413,24 +423,69 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Optional[Results],
         parallel, device = init(settings["tp"], device)
     lead = parallel is None or parallel.rank == 0
     results = Results("model", argv, args.out, args.quick, device, settings) if lead else None
-    grid = list(itertools.product(settings["models"], settings["seq"], settings["checkpointing"],
-                                  settings.get("offload", [False]), settings.get("compile", [False]),
-                                  settings["methods"]))
-    progress = Progress(len(grid)) if lead else None
-    for name, seq, ckpt, offload, compiled, method_name in grid:
-        label = f"{name} 1x{seq} ckpt {'on' if ckpt else 'off'}{' offload' if offload else ''}" \
-                f"{' compiled' if compiled else ''} {method_name}"
+    configs = list(itertools.product(settings["models"], settings["seq"], settings["checkpointing"],
+                                     settings.get("offload", [False]), settings.get("compile", [False])))
+    methods = settings["methods"]
+    rounds = settings.get("rounds", 1)
+    progress = Progress(len(configs) * len(methods) * rounds) if lead else None
+    for name, seq, ckpt, offload, compiled in configs:
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for r in range(rounds):
+            for method_name in rotated(methods, r):
+                label = f"{name} 1x{seq} ckpt {'on' if ckpt else 'off'}{' offload' if offload else ''}" \
+                        f"{' compiled' if compiled else ''} {method_name}" + (f" round {r + 1}/{rounds}" if rounds > 1 else "")
+                if lead:
+                    progress.show(label)
+                row = gather_row(run_one(name, ALL_METHODS[method_name], seq, ckpt, device, settings, compiled,
+                                         parallel, offload), parallel)
+                free_memory(device)
+                runs[method_name].append(row)
+                if lead:
+                    progress.advance(label)
         if lead:
-            progress.show(label)
-        row = gather_row(run_one(name, ALL_METHODS[method_name], seq, ckpt, device, settings, compiled, parallel,
-                                 offload), parallel)
-        free_memory(device)
-        if lead:
-            results.add(row)
-            progress.advance(label)
+            for row in with_ratios([combine_rounds(runs[m]) for m in methods]):
+                results.add(row)
     if not lead:
         return None, ""
     progress.close()
     results.plot(plot)
     return results, table(results.rows)
 
+
+def rotated(methods: list[str], r: int) -> list[str]:
+    """The methods' order in round `r`: rotated by `r`, so that each runs first in turn (A B, B A, A B, ...)."""
+    shift = r % len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def combine_rounds(rows: list[dict]) -> dict:
+    """One method's row from its rounds' rows (`run_one`'s): the median of the rounds' median step times, each
+    round's median (`step_ms_rounds`) and every step (`step_ms_all`); memory from the first round, the largest
+    peak of any round beside it. A round that did not finish makes the row that round's (OOM, error)."""
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        return {**failed[0], "rounds": len(rows)}
+    medians = [r["step_ms"] for r in rows]
+    step_ms = statistics.median(medians)
+    peaks = [r["peak_gib"] for r in rows if r.get("peak_gib") is not None]
+    return {**rows[0], "rounds": len(rows), "step_ms": step_ms, "step_ms_rounds": medians,
+            "step_ms_all": [t for r in rows for t in r["step_ms_all"]], "tokens_per_s": rows[0]["tokens"] / step_ms * 1e3,
+            "peak_gib_max": max(peaks) if peaks else None}
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """`rows` (one configuration's, one per method) with each finished row's step time as a ratio to the first
+    row's: `ratio` the median over rounds of the per-round ratios (both methods' medians in the same round),
+    `ratio_min` / `ratio_max` their spread, `ratio_to` the first row's method."""
+    base = rows[0]
+    if base["status"] != "ok":
+        return rows
+    out = []
+    for row in rows:
+        if row["status"] != "ok":
+            out.append(row)
+            continue
+        ratios = [m / b for m, b in zip(row["step_ms_rounds"], base["step_ms_rounds"])]
+        out.append({**row, "ratio_to": base["method"], "ratio": statistics.median(ratios),
+                    "ratio_min": min(ratios), "ratio_max": max(ratios)})
+    return out

@@ -32,7 +32,7 @@ def table(rows: list[dict]) -> str:
     """One line a row: the peak, where in the step it is, its pools (adding up to it), and the sizes of the
     loss's own memory and the saved activations whether or not they are resident at the peak."""
     headers = ["model", "tokens", "ckpt", "compiled", "GPUs", "method", "loss", "status", "peak GiB", "peak in",
-               "step ms", "tokens/s", *(f"{header} GiB" for _, header, _ in PEAK_POOLS), "loss own GiB",
+               "step ms", "× first (rounds' min–max)", "tokens/s", *(f"{header} GiB" for _, header, _ in PEAK_POOLS), "loss own GiB",
                "saved act GiB", "on host GiB"]
     body = []
     for r in rows:
@@ -42,10 +42,19 @@ def table(rows: list[dict]) -> str:
                      "yes" if r.get("compiled") else "no", gpus if gpus == 1 else f"{gpus} ({r.get('sharding')})",
                      r["method"],
                      r.get("loss", "transformers"),  # records from before v3 have no --loss
-                     r["status"], r.get("peak_gib"), r.get("peak_phase"), r.get("step_ms"), r.get("tokens_per_s"),
+                     r["status"], r.get("peak_gib"), r.get("peak_phase"), r.get("step_ms"), _ratio_cell(r), r.get("tokens_per_s"),
                      *(pools[key] for key, _, _ in PEAK_POOLS), r.get("logits_gib"), r.get("activations_gib"),
                      r.get("offloaded_gib")])
     return format_table(headers, body)
+
+
+def _ratio_cell(row: dict) -> str:
+    """The step time's ratio to the first method of its configuration, with the spread over rounds."""
+    if row.get("ratio") is None:
+        return ""
+    if row.get("rounds", 1) == 1:
+        return f"{row['ratio']:.3f}"
+    return f"{row['ratio']:.3f} ({row['ratio_min']:.3f}–{row['ratio_max']:.3f})"
 
 
 def _ckpt_label(row: dict) -> str:

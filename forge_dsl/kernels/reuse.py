@@ -31,19 +31,24 @@ set on the kernel: then every call takes the checked path.
 
 from __future__ import annotations
 
+import collections
 from typing import Callable, Optional
 
 import torch
 
 from .layouts import holds_codes
 
-__all__ = ["VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "current_stream", "enabled",
+__all__ = ["COUNTS", "VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "counts", "current_stream", "enabled",
            "entries", "exports_signature", "lookup", "remember", "set_enabled", "supported"]
 
 VERIFIED_TRITON = ("3.6.",)  # the Triton versions whose launcher this path was checked against on the GPU
 _MAX_ENTRIES = 4096  # a model's layers × a few token counts; the cache empties when full
 
 _ENTRIES: dict[tuple, "PreparedLaunch"] = {}
+# how each fused layer update was launched since the process started, by `steps._linear`: "reused", "checked"
+# (then remembered), or why not reusable ("reuse off", "not a Hopper GPU with Gluon", "below the warp-specialized
+# size", "keywords refused", "no key"); and "slab" where the slab path ran. Read by `counts()`.
+COUNTS: "collections.Counter[str]" = collections.Counter()
 _SUPPORTED: Optional[bool] = None  # decided on first use (see `supported`), or by `set_enabled`
 
 
@@ -81,6 +86,11 @@ def set_enabled(on: Optional[bool]) -> None:
     global _SUPPORTED
     _SUPPORTED = None if on is None else bool(on)
     _ENTRIES.clear()
+
+
+def counts() -> dict[str, int]:
+    """How the fused layer updates of this process were launched (`COUNTS`), a copy."""
+    return dict(COUNTS)
 
 
 def entries() -> int:

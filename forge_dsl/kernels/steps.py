@@ -165,12 +165,27 @@ def _variant(spec, hypers: dict, step: int, state):
     return update, names, exports, scalar_updates
 
 
+_HOST_STEPS: dict = {}  # (host program, id(keywords), step, scalar state) -> (keywords, its result): `_kernel_host`
+_HOST_STEPS_MAX = 64
+
+
 def _kernel_host(host):
     """A variant's host program (float64) whose scalars come out as the kernels read them (`kernel_host_values`):
-    every launch's, the reused ones' (`reuse.PreparedLaunch`) included."""
+    every launch's, the reused ones' (`reuse.PreparedLaunch`) included. One step of a model runs it once for all
+    the layers that share keywords, step and scalar state: the result is remembered for the keywords object
+    itself (`resolved_hypers` hands every layer of a param group the same one; the entry holds it, so its id is
+    not reused while remembered). The result is shared: read it only."""
     def rounded(hypers, step, scalars):
+        key = (host, id(hypers), step, tuple((k, v, math.copysign(1.0, v)) for k, v in scalars.items()))
+        hit = _HOST_STEPS.get(key)
+        if hit is not None and hit[0] is hypers:
+            return hit[1]
         exports, scalar_updates = host(hypers, step, scalars)
-        return kernel_host_values(exports), scalar_updates
+        result = kernel_host_values(exports), scalar_updates
+        if len(_HOST_STEPS) >= _HOST_STEPS_MAX:
+            _HOST_STEPS.clear()
+        _HOST_STEPS[key] = (hypers, result)
+        return result
 
     return rounded
 
@@ -284,11 +299,15 @@ def _linear(spec, x, dy, weight, state, step, seed, rounding: str, tf32: bool, c
     spec = load_spec(spec)
     reusable = _reuse_key(spec, hypers, x, dy, weight, state, rounding, tf32, config)
     if reusable is not None and _launch_prepared(reusable, x, dy, weight, state, step, seed, auto=path == "auto"):
+        reuse.COUNTS["reused"] += 1
         return
     if path == "auto" and _auto_path(x, dy, weight, state) == "slab":
+        reuse.COUNTS["slab"] += 1
         slab_linear_step(spec, x, dy, weight, state, step=step, seed=seed, rounding=rounding, slab_bytes=slab_bytes,
                          **hypers)
         return
+    if reusable is not None:
+        reuse.COUNTS["checked"] += 1
     x2, dy2 = check_linear(x, dy, weight, rounding)
     weight_view(weight, "weight")
     update = ParamUpdate(spec, weight, state, step=step, seed=seed, rounding=rounding, **hypers)
@@ -311,17 +330,28 @@ def _reuse_key(spec, hypers: dict, x, dy, weight, state, rounding, tf32, config)
     (forge_dsl/kernels/reuse.py), or None: reuse off, not a Hopper GPU, a layer below the warp-specialized
     kernel's size under the default config, or keywords the checked path must refuse (it raises, in its own
     order)."""
-    if (not reuse.enabled() or not isinstance(weight, torch.Tensor) or not hopper_with_gluon(weight.device)
-            or (config is None and weight.numel() < WS_MIN_ELEMENTS)):
+    why = None
+    if not reuse.enabled():
+        why = "reuse off"
+    elif not isinstance(weight, torch.Tensor) or not hopper_with_gluon(weight.device):
+        why = "not a Hopper GPU with Gluon"
+    elif config is None and weight.numel() < WS_MIN_ELEMENTS:
+        why = "below the warp-specialized size"
+    if why is not None:
+        reuse.COUNTS[why] += 1
         return None
     try:
         resolved = resolved_hypers(spec, hypers)
     except (ValueError, TypeError):
+        reuse.COUNTS["keywords refused"] += 1
         return None
     names = compiled_variants(spec)[resolved.variant].states
     key = reuse.call_key(spec, resolved.variant, names, _scalar_names(spec), x, dy, weight, state, rounding, tf32,
                             config)
-    return None if key is None else (key, resolved, spec)
+    if key is None:
+        reuse.COUNTS["no key"] += 1
+        return None
+    return key, resolved, spec
 
 
 def _scalar_names(spec) -> tuple[str, ...]:

@@ -182,3 +182,21 @@ def _backward(ctx, dy):
 
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
 _register_effectful_op(torch.ops.forge_dsl.linear_backward.default, _EffectType.ORDERED)
+# Inductor reads the cudagraph_unsafe tag off a node's target, and an effectful op's node is the `with_effects`
+# wrapper around it: without its name here, mode="reduce-overhead" records the update into a CUDA graph (where
+# `ParamStepper` refuses it), instead of running it between the graphs.
+PARTITION_OPS = ("forge_dsl::linear", "forge_dsl::linear_backward")
+
+
+def _partition_on_host_ops() -> None:
+    """Ask inductor to cut its CUDA graphs at FORGE's ops (`torch._inductor.config.custom_should_partition_ops`,
+    where this torch has it)."""
+    from torch._inductor import config as inductor_config
+
+    ops = getattr(inductor_config, "custom_should_partition_ops", None)
+    if ops is None:  # an older torch: a captured update is refused at its first step
+        return
+    ops.extend(name for name in PARTITION_OPS if name not in ops)
+
+
+_partition_on_host_ops()

@@ -242,6 +242,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             # the optimizer's end gives every module back its forward (detach() does it at once)
             self._finalizer = weakref.finalize(self, installer.restore_all, [f.restore for f in forwards] +
                                                [install.remove for install in self._head_installs])
+            for p in self._handles:  # before any backward: a compiled backward's CUDA graphs never allocate it
+                self._stepper.prepare_state(p)
 
     # -- what the stepper holds, as torch.optim's users read it ---------------
     state_dtype = _Stepped("state_dtype", "The state layout new states get (a loaded state dict sets it to the one "
@@ -335,6 +337,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if replaced is not None:
                 self._names[p] = replaced.name
                 self._unfused_reason[replaced.weight_ref()] = "replaced in its module by a Parameter added later"
+                self._stepper.drop_prepared([replaced.weight_ref()])
+                self._stepper.prepare_state(p)
 
     # -- the update --------------------------------------------------------
     @torch.no_grad()
@@ -499,6 +503,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     values[key] = tensor_parallel.local_state(p, key, t)
         self.state.clear()
         self.state.update(loaded.states)
+        self._stepper.drop_prepared(loaded.states)
         self._stepper.state_shapes.clear()
         self._stepper.state_shapes.update((p, p.shape) for p in loaded.states)
         for group, values in zip(self.param_groups, loaded.groups):

@@ -28,11 +28,26 @@ from ..spec.keywords import resolve_hypers
 from . import checkpoint, tensor_parallel
 from .weight import StepProgress, meta_refusal
 
-__all__ = ["ParamStepper", "INITIAL_KEY", "group_hypers", "initial_value_hypers"]
+__all__ = ["ParamStepper", "INITIAL_KEY", "capture_refusal", "capturing", "group_hypers", "initial_value_hypers"]
 
 # The param-group key of the hyperparameter values that initial values read, taken when the group is added.
 # A leading underscore: no spec keyword can be named so (checker.check_name).
 INITIAL_KEY = "_forge_initial"
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether work on `t`'s device is being recorded into a CUDA graph now (on the current stream)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def capture_refusal(label: str) -> str:
+    """Why the update of the parameter `label` names is not recorded into a CUDA graph, and what to do instead."""
+    return (f"{label}: FORGE's update is being captured into a CUDA graph (torch.cuda.graph, "
+            "make_graphed_callables). Its host values (the step counter, the bias corrections, the learning rate, the "
+            "stochastic-rounding seed) are computed on the host at every update, so each replay would repeat this "
+            "step's: refused (nothing has run during the capture, so no weight changed). Use "
+            "torch.compile(model, mode=\"reduce-overhead\"), whose CUDA graphs leave FORGE's updates out and run "
+            "them between graphs, or capture only what runs before loss.backward()")
 
 
 def group_hypers(group: Mapping[str, Any], keywords: frozenset) -> dict[str, Any]:
@@ -84,6 +99,8 @@ class ParamStepper:
         self.seed = seed
         self.linear_path = linear_path
         self.progress = StepProgress()
+        # parameter -> (what it was made from, its state): `prepare_state`'s, until the first update takes it
+        self._prepared: dict[torch.nn.Parameter, tuple[tuple, dict]] = {}
 
     def add(self, p: torch.nn.Parameter, group: dict) -> None:
         """Take `p` of param group `group` (in the groups' order: its index draws its seed)."""
@@ -148,6 +165,12 @@ class ParamStepper:
         return (f"{what}. The {updated} fused weights updated in the last backward keep their update and no other "
                 f"parameter was stepped: {fix}, then call optimizer.step() again to step the others")
 
+    def _refuse_capture(self, p: torch.Tensor) -> None:
+        """Refuse an update recorded into a CUDA graph (`torch.cuda.graph`, `make_graphed_callables`): its host
+        values would be this step's in every replay. Nothing runs during a capture, so no weight has changed."""
+        if capturing(p):
+            raise RuntimeError(capture_refusal(self.label(p)))
+
     def _check_first_update(self) -> None:
         """Before a fused update: `check_step` where it is the step's first; a refused step is closed (nothing
         of it was applied), so that the batch can run again."""
@@ -174,15 +197,49 @@ class ParamStepper:
         seed = int(state["seed"])
         return seed if shard is None else mix_seed(seed, shard + 1)
 
+    def prepare_state(self, p: torch.nn.Parameter) -> None:
+        """Allocate `p`'s state now, for its first update to take (`state_for`) where nothing it was made from has
+        changed by then (layout, device, shape, dtype, the group's keywords): a fused weight's state is then never
+        allocated inside backward, where `torch.compile(mode="reduce-overhead")` would allocate it from its CUDA
+        graphs' memory pool. Not for a spec with a state that starts from the weight's values (they may still
+        change before the first step) nor for a parameter that has state."""
+        if self.state.get(p) or p in self._prepared or any(s.starts_from_param for s in self.spec.states):
+            return
+        group = self.group_of[p]
+        hypers = self.group_hypers(group)
+        made_from = self._made_from(p, hypers)
+        if made_from is not None:
+            self._prepared[p] = (made_from, self._new_state(p, group, hypers))
+
+    def drop_prepared(self, params) -> None:
+        """Forget the prepared state of `params` (a loaded state dict gave them theirs)."""
+        for p in params:
+            self._prepared.pop(p, None)
+
+    def _made_from(self, p: torch.Tensor, hypers: Mapping[str, Any]) -> Optional[tuple]:
+        """What a state made now for `p` depends on, or None where a keyword is a tensor (a tensor lr, which may
+        change in place: no state is prepared)."""
+        if any(isinstance(v, torch.Tensor) for v in hypers.values()):
+            return None
+        return (repr(self.state_dtype), str(p.device), tuple(p.shape), p.dtype, repr(sorted(hypers.items())))
+
+    def _new_state(self, p: torch.Tensor, group: dict, hypers: Mapping[str, Any]) -> dict:
+        """Fresh per-element and scalar states of `p` (`api.init_state`), in the layout asked for."""
+        layout = self.state_dtype
+        if tensor_parallel.is_dtensor(p):  # the local shard, in the layouts of the whole parameter
+            layout = tensor_parallel.state_layouts(self.spec, p, self.state_dtype)
+        return init_state(self.spec, tensor_parallel.local(p), layout=layout, initial_hypers=group.get(INITIAL_KEY),
+                          **hypers)
+
     def state_for(self, p: torch.Tensor, group: dict, hypers: Mapping[str, Any]) -> dict:
-        """`p`'s state, made at its first update."""
+        """`p`'s state, made at its first update (or taken from `prepare_state`'s)."""
         state = self.state[p]
         if not state:
-            layout = self.state_dtype
-            if tensor_parallel.is_dtensor(p):  # the local shard, in the layouts of the whole parameter
-                layout = tensor_parallel.state_layouts(self.spec, p, self.state_dtype)
-            state.update(init_state(self.spec, tensor_parallel.local(p), layout=layout,
-                                    initial_hypers=group.get(INITIAL_KEY), **hypers))
+            prepared = self._prepared.pop(p, None)
+            if prepared is not None and prepared[0] == self._made_from(p, hypers):  # else dropped: made again
+                state.update(prepared[1])
+            else:
+                state.update(self._new_state(p, group, hypers))
             state["step"] = torch.tensor(0.0, dtype=checkpoint.STEP_DTYPE)
             self.state_shapes[p] = p.shape
             # a group with state carries its checkpoint metadata from now on (forge_dsl/training/checkpoint.py: why)
@@ -194,6 +251,7 @@ class ParamStepper:
     def linear(self, weight: torch.nn.Parameter, x: torch.Tensor, dy: torch.Tensor) -> None:
         """One fused layer's update inside backward, from x [..., K] and dy [..., N]; its step counter moves
         with it, so the optimizer's state is consistent whatever interrupts the backward after it."""
+        self._refuse_capture(weight)
         self._check_first_update()
         group = self.group_of[weight]
         hypers = self.group_hypers(group)
@@ -208,6 +266,7 @@ class ParamStepper:
 
     def begin_rows(self, weight: torch.nn.Parameter) -> ParamUpdate:
         """One step of a fused weight whose gradient comes in blocks of rows (`FusedWeight.begin`)."""
+        self._refuse_capture(weight)
         self._check_first_update()
         group = self.group_of[weight]
         hypers = self.group_hypers(group)
@@ -224,6 +283,7 @@ class ParamStepper:
     # -- in step(): updates from gradients -------------------------------------
     def from_grad(self, p: torch.nn.Parameter, grad: torch.Tensor, state: dict, hypers: Mapping[str, Any]) -> None:
         """`p`'s update from its local gradient `grad` (the element-wise kernel)."""
+        self._refuse_capture(p)
         elementwise_step(self.spec, tensor_parallel.local(p), grad, state, step=int(state["step"].item()) + 1,
                          seed=self.rounding_seed(p, state), rounding=self.rounding, **hypers)
         state["step"] += 1
@@ -232,6 +292,7 @@ class ParamStepper:
              hypers: Mapping[str, Any]) -> None:
         """One launch for `params`, grouped by `kernels.foreach.shared_launch_key` (equal keys) and at step
         `count` + 1; their stochastic rounding draws from the first one's seed."""
+        self._refuse_capture(params[0])
         states = [self.state[p] for p in params]
         # grouped by shared_launch_key by the caller: foreach_step's checks would find them equal again
         _step_flat(self.spec, [tensor_parallel.local(p) for p in params], list(grads), states, step=count + 1,

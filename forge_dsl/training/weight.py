@@ -20,6 +20,7 @@ under torch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -31,10 +32,19 @@ import torch
 from . import tensor_parallel
 from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad, consumed_grad
 
-__all__ = ["FusedWeight", "FusedForward", "StepProgress", "base_forward", "forward_of", "handle_by_id",
+__all__ = ["FusedWeight", "FusedForward", "StepProgress", "base_forward", "forward_of", "handle_by_id", "host_range",
            "instance_forward_refusal", "is_dormant_forward", "meta_refusal", "rows_of"]
 
 _MISSING = object()
+_NO_RANGE = contextlib.nullcontext()
+
+
+def host_range(name: str):
+    """A `torch.profiler` range named `name` around FORGE's host work while a profiler runs (what
+    `forge_dsl.bench.step_anatomy` counts as FORGE's host time); nothing otherwise (a range costs µs per layer)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return _NO_RANGE
 
 
 class StepProgress:
@@ -197,7 +207,8 @@ class FusedWeight:
                 tensor_parallel.add_to_grad(weight, dw)
                 return None
             return dw
-        stepper.linear(weight, x, dy)
+        with host_range("forge::linear_update"):
+            stepper.linear(weight, x, dy)
         self.progress.mark_updated(self)
         return None
 
@@ -212,11 +223,13 @@ class FusedWeight:
 
     def fused_rows(self, x: torch.Tensor, dy: torch.Tensor, r0: int) -> None:
         """Rows [r0, r0 + R) from dW = dyᵀ x: x [T, K], dy [T, R]."""
-        self.rows.fused(x, dy, rows=r0, tf32=torch.get_float32_matmul_precision() != "highest")
+        with host_range("forge::rows_update"):
+            self.rows.fused(x, dy, rows=r0, tf32=torch.get_float32_matmul_precision() != "highest")
 
     def grad_rows(self, grad: torch.Tensor, r0: int) -> None:
         """Rows [r0, r0 + R) from their gradient grad [R, K]."""
-        self.rows.from_grad(grad, rows=r0)
+        with host_range("forge::rows_update"):
+            self.rows.from_grad(grad, rows=r0)
 
     def finish(self) -> None:
         """After the last block: the step's scalar state and counter move, the weight counts as updated."""
