@@ -96,6 +96,7 @@ class Anatomy:
     step_ms: float
     phase_wall: dict = field(default_factory=dict)
     busy: dict = field(default_factory=dict)
+    count: dict = field(default_factory=dict)  # (phase, kind) -> kernels per step
     idle: dict = field(default_factory=dict)
     syncs: float = 0.0
     kernels: float = 0.0
@@ -105,7 +106,8 @@ class Anatomy:
 
     def as_json(self) -> dict:
         return {"method": self.method, "step_ms": self.step_ms, "phase_wall_ms": self.phase_wall,
-                "busy_ms": {f"{p}/{k}": v for (p, k), v in self.busy.items()}, "idle_ms": self.idle,
+                "busy_ms": {f"{p}/{k}": v for (p, k), v in self.busy.items()},
+                "kernels": {f"{p}/{k}": v for (p, k), v in self.count.items()}, "idle_ms": self.idle,
                 "syncs_per_step": self.syncs, "kernels_per_step": self.kernels,
                 "forge_host_ms_per_step": self.forge_host_ms, "forge_calls_per_step": self.forge_calls,
                 "launches_per_step": self.launches}
@@ -126,8 +128,9 @@ def analyse(events, method: str, steps: int, step_ms: float, device_type: str) -
         out.phase_wall[phase] = wall / steps / 1e3
         inside = [k for k in kernels if any(s <= k.time_range.start < e for s, e in spans)]
         for kind, _ in KINDS:
-            out.busy[(phase, kind)] = sum(k.time_range.end - k.time_range.start for k in inside
-                                          if kernel_kind(k.name) == kind) / steps / 1e3
+            of_kind = [k for k in inside if kernel_kind(k.name) == kind]
+            out.busy[(phase, kind)] = sum(k.time_range.end - k.time_range.start for k in of_kind) / steps / 1e3
+            out.count[(phase, kind)] = len(of_kind) / steps
         busy = union_us([(k.time_range.start, k.time_range.end) for k in inside])
         out.idle[phase] = (wall - busy) / steps / 1e3
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
@@ -207,9 +210,11 @@ def anatomy_table(results: Sequence[Anatomy]) -> str:
     headers = ["ms per step", *(a.method for a in results), *(f"{a.method} − {base.method}" for a in results[1:])]
     rows = []
 
-    def row(label: str, get: Callable[[Anatomy], float], digits: str = "{:.2f}") -> None:
+    def row(label: str, get: Callable[[Anatomy], float], digits: str = "{:.2f}",
+            count: Optional[Callable[[Anatomy], float]] = None) -> None:
         values = [get(a) for a in results]
-        rows.append([label, *(digits.format(v) for v in values), *(f"{v - values[0]:+.2f}" for v in values[1:])])
+        cells = [digits.format(v) + (f" ({count(a):.0f})" if count is not None else "") for v, a in zip(values, results)]
+        rows.append([label, *cells, *(f"{v - values[0]:+.2f}" for v in values[1:])])
 
     row("step (unprofiled, no cuts)", lambda a: a.step_ms)
     row("step (profiled, phases cut)", lambda a: sum(a.phase_wall.values()))
@@ -217,7 +222,8 @@ def anatomy_table(results: Sequence[Anatomy]) -> str:
         row(f"**{phase}**", lambda a, p=phase: a.phase_wall[p])
         for kind, _ in KINDS:
             if any(a.busy[(phase, kind)] > 0.005 for a in results):
-                row(f"  {kind}", lambda a, p=phase, k=kind: a.busy[(p, k)])
+                row(f"  {kind} (kernels)", lambda a, p=phase, k=kind: a.busy[(p, k)],
+                    count=lambda a, p=phase, k=kind: a.count[(p, k)])
         row("  GPU idle (host, launches, the cut)", lambda a, p=phase: a.idle[p])
     row("syncs per step (cuts left out)", lambda a: a.syncs, "{:.0f}")
     row("kernels per step", lambda a: a.kernels, "{:.0f}")
