@@ -95,9 +95,9 @@ from .parallel import FSDP_METHODS, Parallel, gather_row, init, local_nbytes, sh
 __all__ = [
     "ALL_METHODS", "FULL_MODELS", "FUSED_HEAD", "LOSSES", "LOSS_FUNCTIONS", "LR", "METHODS", "MODELS", "Method",
     "PATH_METHODS", "PEAK_POOLS", "PHASES", "SINGLE_GPU_METHODS", "SavedBytes", "StepMemory", "TP_METHODS",
-    "add_arguments", "build_model", "enable_checkpointing", "free_memory", "fused_head_applies", "gib",
+    "add_arguments", "attach", "build_model", "enable_checkpointing", "free_memory", "fused_head_applies", "gib",
     "instrument", "is_oom", "materialized_grad_bytes", "measure", "peak_pools", "plot", "resident_at_peak",
-    "resolve_settings", "rotated", "run", "run_one", "table", "train_step", "with_ratios", "combine_rounds",
+    "resolve_settings", "rotated", "run", "run_one", "table", "token_ids", "train_step", "with_ratios", "combine_rounds",
 ]
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -302,13 +302,8 @@ def measure(name: str, method: Method, seq: int, checkpointing: bool, device: to
         enable_checkpointing(model)
     weights = sum(local_nbytes(p) for p in model.parameters())
     allocated_with_weights = allocated_bytes(device)
-    head = fused_head_applies(model, method, settings, compiled)
-    loss_name = FUSED_HEAD if head else settings["loss"]
-    finish = method.attach(model, head) if method.fused_head else method.attach(model)
+    finish, loss_name, runner = attach(model, method, settings, compiled)
     try:
-        if compiled:
-            torch._dynamo.reset()  # each run compiles its own graphs
-        runner = torch.compile(model) if compiled else model
         # off CUDA (tiny shapes, the interpreter) every saved tensor is moved, for the bookkeeping to run
         offloader = OffloadActivations(device=device.type, **({} if device.type == "cuda" else {"min_bytes": 1})) \
             if offload else None
@@ -331,6 +326,25 @@ def measure(name: str, method: Method, seq: int, checkpointing: bool, device: to
             "peak_phase": at_peak["phase"] if not compiled else None, "at_peak": at_peak["pools"]}
 
 
+def attach(model: torch.nn.Module, method: Method, settings: dict, compiled: bool):
+    """`method` attached to `model` as every run attaches it: (what runs after each backward, the loss's name in
+    LOSS_FUNCTIONS, what to call: `torch.compile(model)` after a dynamo reset where `compiled`, so that each run
+    compiles its own graphs, else the model)."""
+    head = fused_head_applies(model, method, settings, compiled)
+    loss_name = FUSED_HEAD if head else settings["loss"]
+    finish = method.attach(model, head) if method.fused_head else method.attach(model)
+    if compiled:
+        torch._dynamo.reset()
+    return finish, loss_name, (torch.compile(model) if compiled else model)
+
+
+def token_ids(model: torch.nn.Module, seq: int, device: torch.device) -> torch.Tensor:
+    """The batch of every run: [1, seq] token ids of the model's vocabulary, drawn from a generator seeded 0."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    vocab = getattr(model, "_orig_mod", model).config.vocab_size
+    return torch.randint(0, vocab, (1, seq), generator=gen).to(device)
+
+
 def fused_head_applies(model: torch.nn.Module, method: Method, settings: dict, compiled: bool) -> bool:
     """Whether this run's method computes the loss without logits: a FORGE method, --forge-head on, not compiled
     (under torch.compile the fused head takes its plain path), and a model hf_head.install accepts."""
@@ -350,9 +364,7 @@ def _run_steps(model, finish, seq: int, device: torch.device, settings: dict, lo
     """Warm-up steps, then measured steps, each cut into phases by a StepMemory (each forward within `offload`
     when given): (gradient bytes, memory between steps, step times in ms, the StepMemory of all measured steps:
     each phase's largest peak)."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    vocab = getattr(model, "_orig_mod", model).config.vocab_size
-    ids = torch.randint(0, vocab, (1, seq), generator=gen).to(device)
+    ids = token_ids(model, seq, device)
     grads = 0
     for _ in range(settings["warmup_steps"]):
         grads = train_step(model, ids, finish, loss_name, offload=offload)

@@ -154,15 +154,9 @@ def measure_anatomy(method_name: str, model_name: str, seq: int, device: torch.d
     model = bench_model.build_model(model_name, device)
     if checkpointing:
         bench_model.enable_checkpointing(model)
-    head = bench_model.fused_head_applies(model, method, settings, compiled)
-    loss_name = bench_model.FUSED_HEAD if head else settings["loss"]
-    finish = method.attach(model, head) if method.fused_head else method.attach(model)
+    finish, loss_name, runner = bench_model.attach(model, method, settings, compiled)
     try:
-        if compiled:
-            torch._dynamo.reset()
-        runner = torch.compile(model) if compiled else model
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=gen).to(device)
+        ids = bench_model.token_ids(model, seq, device)
         loss_fn = bench_model.LOSS_FUNCTIONS[loss_name]
         for _ in range(warmup):
             bench_model.train_step(runner, ids, finish, loss_name)

@@ -7,13 +7,7 @@ set -u
 source "$(dirname "$0")/gpu_setup.sh"
 methods=${ANATOMY_METHODS:-torch-adamw,forge-bf16,forge-int8}
 for config in ${ANATOMY_CONFIGS:-eager512 compiled512 ckpt8192}; do
-    case $config in
-        eager512) args="--seq 512" ;;
-        compiled512) args="--seq 512 --compile on" ;;
-        ckpt2048) args="--seq 2048 --checkpointing on" ;;
-        ckpt8192) args="--seq 8192 --checkpointing on" ;;
-        *) echo "unknown configuration $config"; continue ;;
-    esac
+    args=$(step_config "$config") || { echo "unknown configuration $config"; continue; }
     echo "== $config: $args"
     timeout "${ANATOMY_TIMEOUT:-300}" python3 -m forge_dsl.bench.step_anatomy --methods "$methods" $args \
         --json "$OUT/anatomy-$config.json" > "$OUT/anatomy-$config.txt" 2>&1

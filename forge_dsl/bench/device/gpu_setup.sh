@@ -10,3 +10,15 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/
     || { echo "editable install failed:"; tail -5 /tmp/install.log; }
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+# The step configurations of issue K, by name: the options `forge-bench model` and `forge_dsl.bench.step_anatomy`
+# both take (gpu_anatomy.sh, gpu_targets.sh). Prints nothing and fails for an unknown name.
+step_config() {
+    case $1 in
+        eager512) echo "--seq 512 --checkpointing off" ;;
+        compiled512) echo "--seq 512 --checkpointing off --compile on --warmup 3" ;;
+        ckpt2048) echo "--seq 2048 --checkpointing on" ;;
+        ckpt8192) echo "--seq 8192 --checkpointing on" ;;
+        *) return 1 ;;
+    esac
+}

@@ -8,13 +8,7 @@ set -u
 source "$(dirname "$0")/gpu_setup.sh"
 methods=${TARGET_METHODS:-torch-adamw,forge-bf16,forge-int8,forge-int4}
 for config in ${TARGET_CONFIGS:-eager512 ckpt2048 ckpt8192}; do
-    case $config in
-        eager512) args="--seq 512 --checkpointing off --warmup 2 --steps 4" ;;
-        compiled512) args="--seq 512 --checkpointing off --compile on --warmup 3 --steps 4" ;;
-        ckpt2048) args="--seq 2048 --checkpointing on --warmup 2 --steps 3" ;;
-        ckpt8192) args="--seq 8192 --checkpointing on --warmup 1 --steps 3" ;;
-        *) echo "unknown configuration $config"; continue ;;
-    esac
+    args="$(step_config "$config") --steps 3" || { echo "unknown configuration $config"; continue; }
     start=$(date +%s)
     timeout "${TARGET_TIMEOUT:-200}" python3 -m forge_dsl.bench model --models llama3.1-8b --methods "$methods" \
         --rounds "${TARGET_ROUNDS:-3}" --out "/tmp/targets-$config" $args > "/tmp/targets-$config.log" 2>&1
