@@ -98,4 +98,8 @@ def test_the_anatomy_runs_on_the_cpu(capsys):
                               "--warmup", "1", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "forge-bf16 − torch-adamw" in out and "FORGE host ms per step" in out
-    assert "FORGE layer updates per step: reuse off" in out  # the interpreter has no reused launches
+    # the interpreter has no reused launches: with Triton 3.6 reuse is on but the CPU is no Hopper GPU, with
+    # other versions reuse is off
+    updates = [line for line in out.splitlines() if "FORGE layer updates per step:" in line]
+    assert updates and not any("per step: reused" in line for line in updates)
+    assert any(why in line for line in updates for why in ("reuse off", "not a Hopper GPU with Gluon"))
