@@ -55,9 +55,9 @@ from .policy import (
     default_slab_bytes,
     fused_config,
     hopper_with_gluon,
-    slab_rows,
     stored_bytes,
 )
+from .slabs import slab_grads
 
 __all__ = ["fused_linear_step", "slab_linear_step", "linear_step", "step", "ParamUpdate", "TileConfig", "mix_seed",
            "resolved_hypers"]
@@ -428,18 +428,12 @@ def slab_linear_step(
     x2, dy2 = check_linear(x, dy, weight, rounding)
     if slab_bytes is not None and (isinstance(slab_bytes, bool) or int(slab_bytes) != slab_bytes or slab_bytes < 1):
         raise ValueError(f"slab_bytes must be a positive integer or None, got {slab_bytes!r}")
-    N, K = weight.shape
     # bound once for the whole tensors; each slab takes row slices of the same kernel arguments
     update = ParamUpdate(spec, weight, state, step=step, seed=seed, rounding=rounding, **hypers)
     if slab_bytes is None:
         slab_bytes = default_slab_bytes(any_quantized(update.states.layouts))
-    if N and K:
-        rows = slab_rows(N, K, x2.element_size(), slab_bytes)
-        workspace = torch.empty(rows, K, dtype=x2.dtype, device=weight.device)  # [rows, K]: one slab of dW
-        for r0 in range(0, N, rows):
-            grad = workspace[: min(N, r0 + rows) - r0]
-            torch.matmul(dy2[:, r0:r0 + grad.shape[0]].t(), x2, out=grad)
-            update.from_grad(grad, rows=r0)
+    for r0, grad in slab_grads(x2, dy2, slab_bytes):
+        update.from_grad(grad, rows=r0)
     update.commit()
 
 

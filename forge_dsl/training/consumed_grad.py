@@ -20,6 +20,13 @@ weight's `.grad` is a `ConsumedGrad`, a tensor of the weight's shape and dtype t
     decision left the fused weights out); clamping raises `VALUE_CLIP_MESSAGE`; adding to it (a gradient from another use of the
     weight, accumulation) raises `OUTSIDE_USE_MESSAGE`; anything else raises.
 
+Where the optimizer clips by the global norm itself (`ForgeOptimizer(max_grad_norm=c)`: `optimizer.backward(loss)`,
+or gradient accumulation, which keeps the gradient in a buffer), a fused weight's `.grad` is a `ReportingGrad`: its
+norm is known (the first pass's sum of squares, or the buffer's), so `clip_grad_norm_` computes the true total
+norm, before clipping, and returns it as a `ReportedNorm`, a tensor with that value. Scaling any gradient by a
+value computed from a `ReportedNorm` does nothing: the optimizer applies the clipping itself, once, with its own
+`max_grad_norm` (`clip_grad_norm_` "no longer needs to clip").
+
 `ForgeOptimizer.step()` steps no parameter whose `.grad` is a `ConsumedGrad`; `zero_grad()` clears it.
 """
 
@@ -30,13 +37,18 @@ import math
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["ConsumedGrad", "Unknown", "consumed_grad", "CLIP_MESSAGE", "VALUE_CLIP_MESSAGE", "OUTSIDE_USE_MESSAGE"]
+__all__ = ["ConsumedGrad", "ReportedNorm", "ReportingGrad", "Unknown", "consumed_grad", "CLIP_MESSAGE",
+           "VALUE_CLIP_MESSAGE", "OUTSIDE_USE_MESSAGE"]
 
 CLIP_MESSAGE = (
-    "global-norm gradient clipping needs every gradient before any weight is updated, but FORGE updates "
-    "linear weights inside backward without ever storing their gradients, so the norm cannot be taken "
-    "exactly (doing it would need a second backward pass). Train without clipping: torch users drop "
-    "clip_grad_norm_; Hugging Face Trainer users set TrainingArguments(max_grad_norm=0)."
+    "global-norm gradient clipping needs every gradient before any weight is updated, and a plain "
+    "loss.backward() already applied this step's update of the FORGE-fused weights inside backward, unclipped "
+    "(their gradients were never stored), so nothing can be clipped now. For exact clipping, construct the "
+    "optimizer with ForgeOptimizer(..., max_grad_norm=c) and call optimizer.backward(loss) instead of "
+    "loss.backward() (two backward passes: the norm, then the clipped update); Hugging Face Trainer users train "
+    "with forge_dsl.ForgeTrainer, which does both. Or construct it with fuse=False (every parameter stepped from "
+    ".grad, as torch does, without FORGE's memory saving), or train without clipping "
+    "(TrainingArguments(max_grad_norm=0))."
 )
 VALUE_CLIP_MESSAGE = (
     "FORGE updates linear weights inside backward without ever storing their gradients, so there is "
@@ -82,6 +94,15 @@ class Unknown(torch.Tensor):
         kinds = {a.kind for a in ours}
         first = ours[0]
         op = func.overloadpacket.__name__
+        if op in _NORMS and any(isinstance(a, ReportingGrad) for a in ours):
+            return _reported_norms(func, args, kwargs)
+        if any(isinstance(a, ReportedNorm) for a in ours):
+            if op in _SCALES:  # clip_grad_norm_'s scaling: the optimizer clips this step itself, once
+                return args[0]
+            if all(isinstance(a, ReportedNorm) for a in ours):  # arithmetic on reported norms: their values
+                values = tree_map(lambda a: a.value if isinstance(a, ReportedNorm) else a, (args, kwargs))
+                out = func(*values[0], **values[1])
+                return tree_map(lambda o: ReportedNorm(o) if isinstance(o, torch.Tensor) else o, out)
         if func is torch.ops.aten._local_scalar_dense.default or op == "is_nonzero":
             if first.dtype != torch.bool:  # .item(), float(): the value is unknown
                 return math.nan
@@ -113,6 +134,32 @@ class Unknown(torch.Tensor):
                         if isinstance(o, torch.Tensor) else o, out)
 
 
+_NORMS = ("linalg_vector_norm", "norm", "_foreach_norm")
+
+
+def _reported_norms(func, args, kwargs):
+    """The 2-norm of each gradient in a norm call (`torch.linalg.vector_norm(g)`, `torch._foreach_norm(grads)`) where
+    one is a `ReportingGrad`: its reported norm, the others' computed, each a `ReportedNorm` in the gradient's
+    dtype (as torch's norm of a gradient is)."""
+    grads = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2))
+    dims = args[2] if len(args) > 2 else kwargs.get("dim")
+    dtype = kwargs.get("dtype")
+    if order is None:
+        order = 2
+    if float(order) != 2.0 or dims not in (None, [], ()):
+        first = next(g for g in grads if isinstance(g, ReportingGrad))
+        raise RuntimeError(f"the gradient of the FORGE-fused weight '{first.param_name}' is known only by its 2-norm "
+                           f"over the whole tensor (the optimizer clips it with max_grad_norm), not by a {order}-norm"
+                           f"{'' if dims in (None, [], ()) else ' over dims ' + str(dims)}: clip by the 2-norm "
+                           "(norm_type=2), or construct the optimizer with fuse=False")
+    norms = []
+    for g in grads:
+        value = g.reported_norm() if isinstance(g, ReportingGrad) else torch.linalg.vector_norm(g, dtype=torch.float32)
+        norms.append(ReportedNorm(value.to(dtype or g.dtype)))
+    return norms if isinstance(args[0], (list, tuple)) else norms[0]
+
+
 def _is_scalar(a) -> bool:
     return isinstance(a, (int, float)) or (isinstance(a, torch.Tensor) and a.numel() == 1 and a.device.type != "meta")
 
@@ -140,6 +187,38 @@ def _in_place(op: str, args, ours: list, kinds: set):
 
 class ConsumedGrad(Unknown):
     """The `.grad` of a fused weight whose update was applied inside backward (see the module docstring)."""
+
+
+class ReportingGrad(ConsumedGrad):
+    """The `.grad` of a fused weight whose optimizer clips by the global norm itself: its 2-norm before clipping is
+    `norm_of()` (a 0-d float32 tensor on its device, computed when asked), the rest as a `ConsumedGrad`."""
+
+    @staticmethod
+    def __new__(cls, weight: torch.Tensor, name: str, norm_of):
+        t = ConsumedGrad.__new__(cls, weight.shape, weight.dtype, weight.device, "grad", name)
+        t.norm_of = norm_of
+        return t
+
+    def reported_norm(self) -> torch.Tensor:
+        return self.norm_of()
+
+
+class ReportedNorm(Unknown):
+    """A gradient norm that `clip_grad_norm_` computed from a `ReportingGrad`: a tensor that holds its `value` (what it
+    reads as: `.item()`, comparisons, arithmetic give values that are again `ReportedNorm`s), and by which no gradient
+    is scaled (see the module docstring)."""
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, value.shape, dtype=value.dtype, device=value.device,
+                                                requires_grad=False)
+        t.value = value
+        t.kind = "reported"
+        t.param_name = ""
+        return t
+
+    def __repr__(self) -> str:
+        return f"ReportedNorm({self.value!r})"
 
 
 def consumed_grad(weight: torch.Tensor, name: str) -> ConsumedGrad:

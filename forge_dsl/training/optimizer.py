@@ -73,8 +73,8 @@ from ..kernels.foreach import FOREACH_MAX_ELEMENTS, shared_launch_key
 from ..kernels.policy import LINEAR_PATHS, interpreting
 from ..spec.keywords import check_seed, resolve_hypers
 from ..spec.loading import SpecLike, load_spec
-from . import checkpoint, hf_head, installer, tensor_parallel
-from .consumed_grad import CLIP_MESSAGE, OUTSIDE_USE_MESSAGE, ConsumedGrad
+from . import checkpoint, grad_passes, hf_head, installer, tensor_parallel
+from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad
 from .installer import fuse
 from .stepper import INITIAL_KEY, ParamStepper, group_hypers, initial_value_hypers
 
@@ -166,6 +166,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         linear_path: str = "auto",
         foreach: bool = True,
         lm_head_loss: bool = False,
+        max_grad_norm: Optional[float] = None,
+        accumulation_steps: int = 1,
+        accumulation_dtype: str = "fp32",
         **hypers: Any,
     ) -> None:
         if spec is None:
@@ -195,8 +198,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if linear_path not in LINEAR_PATHS:
             raise ValueError(f"linear_path must be one of {', '.join(LINEAR_PATHS)}, got {linear_path!r}")
         self.foreach = bool(foreach)
-        if "max_grad_norm" in hypers:
-            raise ValueError("ForgeOptimizer does not offer max_grad_norm: " + CLIP_MESSAGE)
+        self.max_grad_norm = grad_passes.check_max_grad_norm(max_grad_norm)
+        self.accumulation_steps, buffer_dtype = grad_passes.check_accumulation(accumulation_steps, accumulation_dtype)
+        self.accumulation_dtype = accumulation_dtype
+        self.last_grad_norm: Optional[torch.Tensor] = None
         check_rounding(rounding)
         self.spec = load_spec(spec)
         resolve_hypers(self.spec, hypers, caller="ForgeOptimizer")  # unknown keywords, ranges: raise now
@@ -216,6 +221,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             resolve_hypers(self.spec, group_hypers(group, self._keywords), caller="ForgeOptimizer")  # validate early
         self._stepper = ParamStepper(self.spec, self.state, self.param_groups, self._keywords, state_dtype=state_dtype,
                                      rounding=rounding, seed=check_seed(seed), linear_path=linear_path)
+        progress = self._stepper.progress
+        progress.max_grad_norm = self.max_grad_norm
+        progress.accumulation_steps, progress.accumulation_dtype = self.accumulation_steps, buffer_dtype
         for group in self.param_groups:
             for p in group["params"]:
                 self._stepper.add(p, group)
@@ -233,6 +241,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for p in self._param_index:
             self._check_param(p)
         self._check_own_memory(list(self._param_index))
+        sharded = next((p for p in self._param_index if tensor_parallel.is_dtensor(p)), None)
+        if sharded is not None and (self.max_grad_norm is not None or self.accumulation_steps > 1):
+            raise ValueError(
+                f"max_grad_norm= and accumulation_steps= are not supported with tensor parallelism yet ("
+                f"{self._names.get(sharded, 'a parameter')} is a DTensor): the norm of sharded gradients needs an "
+                "all-reduce across the mesh that FORGE does not do. Construct the optimizer with fuse=False and use "
+                "torch.nn.utils.clip_grad_norm_ and .grad accumulation, or train without them")
         if fuse:
             heads = [model] if lm_head_loss else []
             if model is None:
@@ -359,17 +374,31 @@ class ForgeOptimizer(torch.optim.Optimizer):
             updated, fused = progress.close_interrupted()
             warnings.warn(f"the last backward was interrupted after FORGE had updated {updated} of the {fused} "
                           "fused layers (they keep this step's update): step() closed the step without stepping "
-                          "the parameters updated from .grad, whose gradients that backward left incomplete. "
-                          "Call optimizer.zero_grad() and run the batch again.", RuntimeWarning, stacklevel=2)
+                          "the parameters updated from .grad, whose gradients that backward left incomplete (nor "
+                          "the accumulated gradients, which it dropped). Call optimizer.zero_grad() and run the "
+                          "batch again.", RuntimeWarning, stacklevel=2)
+            progress.drop_accumulated()
             progress.end()
             return loss
         self._stepper.check_step()
+        for handle in progress.accumulated():  # micro-batches of a shared layer, which autograd summed into .grad
+            weight = handle.weight_ref()
+            if weight.grad is not None and not isinstance(weight.grad, ConsumedGrad):
+                handle.buffer += weight.grad
+                weight.grad = None
+        if self.max_grad_norm is not None:
+            self._clip_grads()
         for group in self.param_groups:
             hypers = self._stepper.group_hypers(group)
             shared: dict[tuple, list[torch.nn.Parameter]] = {}  # (step, shared_launch_key, shard) -> params
             grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # the local gradient of each, reduced where Partial
             for p in group["params"]:
                 handle = progress.weights.get(p)
+                if handle is not None and handle.buffer is not None:  # accumulated, not applied in backward
+                    self._stepper.from_grad(p, handle.buffer, self._stepper.state_for(p, group, hypers), hypers)
+                    handle.drop_buffer()
+                    p.grad = handle.consumed_grad()
+                    continue
                 if handle is not None and handle.updated:
                     if p.grad is not None and not isinstance(p.grad, ConsumedGrad):
                         raise RuntimeError(f"'{handle.name}': " + OUTSIDE_USE_MESSAGE)
@@ -395,11 +424,79 @@ class ForgeOptimizer(torch.optim.Optimizer):
         progress.end()
         return loss
 
+    def _clip_grads(self) -> None:
+        """Scale the gradients `step()` steps by this step's clip coefficient: the one `backward(loss)` computed,
+        or, where no backward computed one (gradient accumulation; no fused weight), the coefficient of every
+        gradient's norm now (accumulation buffers and `.grad`s), as `clip_grad_norm_(params, max_grad_norm)`
+        computes it. Sets `last_grad_norm`."""
+        progress = self._stepper.progress
+        grads = [p.grad for p in self._param_index if p.grad is not None and not isinstance(p.grad, ConsumedGrad)]
+        if progress.clip is not None:
+            norm, coefficient = progress.clip
+        else:
+            buffers = [h.buffer for h in progress.accumulated()]
+            device = (buffers or grads)[0].device if buffers or grads else torch.device("cpu")
+            squares = torch.zeros((), dtype=torch.float32, device=device)
+            norm, coefficient = grad_passes.clip_coefficient(squares, [*buffers, *grads], self.max_grad_norm)
+            for buffer in buffers:
+                buffer.mul_(coefficient.to(buffer.device))
+        for g in grads:
+            g.mul_(coefficient.to(g.device))
+        self.last_grad_norm = norm
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()` for an optimizer constructed with `max_grad_norm=c`: backward twice, exactly as
+        `loss.backward()`, `torch.nn.utils.clip_grad_norm_(params, c)` and `step()` would update (module docstring).
+
+        First pass (`retain_graph=True`): each fused weight's squared gradient norm, summed on the device, and the
+        other parameters' `.grad`s; nothing is updated. The total norm (`last_grad_norm`, a 0-d float32 device
+        tensor) and the coefficient min(1, c / (norm + 1e-6)) follow without a host sync. Second pass: each fused
+        weight's update from its gradient times the coefficient (dW formed a slab of rows at a time, as
+        autograd rounds it); the other parameters keep the first pass's `.grad`, which `step()` scales by the
+        coefficient before stepping them. A non-finite norm is not an error (`clip_grad_norm_`'s
+        `error_if_nonfinite=False`): a NaN norm makes every update NaN, as torch's clipping does.
+
+        Without `max_grad_norm`, or with `accumulation_steps` > 1 (the norm of the accumulated gradient is taken
+        in `step()`), it is `loss.backward()`."""
+        progress = self._stepper.progress
+        if self.max_grad_norm is None or self.accumulation_steps > 1 or not self._handles:
+            loss.backward()
+            return
+        if progress.clip is not None or any(h.updated for h in self._handles.values()):
+            raise RuntimeError("optimizer.backward(loss) ran a second time before optimizer.step(): this step's "
+                               "clipped update was already applied. For gradient accumulation over k micro-batches "
+                               "construct the optimizer with accumulation_steps=k (and call loss.backward() for "
+                               "each), or call optimizer.step() after every backward.")
+        progress.grad_pass = grad_passes.MEASURE
+        try:
+            loss.backward(retain_graph=True)
+        except BaseException:
+            progress.end_pass()
+            raise
+        squares = progress.squares
+        grads = {p: p.grad for p in self._param_index if p.grad is not None and not isinstance(p.grad, ConsumedGrad)}
+        if squares is None:  # no fused weight measured (every one of them shared or unused in this forward)
+            squares = torch.zeros((), dtype=torch.float32, device=loss.device)
+        norm, coefficient = grad_passes.clip_coefficient(squares, grads.values(), self.max_grad_norm)
+        for p in grads:
+            p.grad = None
+        progress.grad_pass, progress.grad_scale = grad_passes.SCALED, coefficient
+        try:
+            loss.backward()
+        finally:
+            progress.end_pass()
+            for p, g in grads.items():  # the first pass's: step() scales them by the coefficient
+                p.grad = g
+        progress.clip = (norm, coefficient)
+        self.last_grad_norm = norm
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's `zero_grad`. Between a backward and `step()` it warns: the fused weights were updated inside
         that backward, which no zero_grad undoes; the other gradients are cleared, so `step()` steps none of
-        them, as torch's `step()` after `zero_grad()` steps nothing."""
+        them, as torch's `step()` after `zero_grad()` steps nothing. Accumulated gradients (`accumulation_steps`)
+        are dropped, as torch's accumulated `.grad`s are."""
         updated, _ = self._stepper.progress.updated_count()
+        self._stepper.progress.drop_accumulated()
         super().zero_grad(set_to_none)
         if updated:
             warnings.warn(

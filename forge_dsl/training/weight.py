@@ -29,8 +29,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..kernels.policy import SLAB_BYTES
+from ..kernels.slabs import slab_grads
 from . import tensor_parallel
-from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad, consumed_grad
+from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad, ReportingGrad, consumed_grad
+from .grad_passes import ACCUMULATE, APPLY, MEASURE, SCALED, UPDATE, GradRows, square_sum
 
 __all__ = ["FusedWeight", "FusedForward", "StepProgress", "base_forward", "forward_of", "handle_by_id", "host_range",
            "instance_forward_refusal", "is_dormant_forward", "meta_refusal", "rows_of"]
@@ -58,6 +61,38 @@ class StepProgress:
         self.weights: dict[torch.nn.Parameter, FusedWeight] = {}
         self.backward_open = False
         self.step_checked = False  # `ParamStepper.check_step` passed in this step
+        # global-norm clipping and gradient accumulation (`grad_passes`), as the optimizer was constructed
+        self.max_grad_norm: Optional[float] = None
+        self.accumulation_steps = 1
+        self.accumulation_dtype = torch.float32
+        self.grad_pass = UPDATE  # MEASURE or SCALED inside `ForgeOptimizer.backward`'s two passes
+        self.grad_scale: Optional[torch.Tensor] = None  # the clip coefficient, in the SCALED pass
+        self.squares: Optional[torch.Tensor] = None  # the fused weights' summed squared norms, in the MEASURE pass
+        self.clip: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (norm, coefficient) of this step's passes
+
+    def mode_for(self, handle: "FusedWeight") -> str:
+        """How `handle`'s gradient is used in this backward, where its update is fused: `grad_passes`' modes.
+        Refuses a plain backward that would apply an update unclipped where the optimizer clips."""
+        if self.grad_pass != UPDATE:
+            return self.grad_pass
+        if self.accumulation_steps > 1:
+            last = handle.micro_batches + 1 >= self.accumulation_steps
+            return APPLY if last and self.max_grad_norm is None else ACCUMULATE
+        if self.max_grad_norm is not None:
+            raise RuntimeError(
+                f"'{handle.name}': this optimizer clips by the global gradient norm (max_grad_norm="
+                f"{self.max_grad_norm:g}), which each fused update must know before it runs: call "
+                "optimizer.backward(loss) instead of loss.backward() (Hugging Face Trainer: forge_dsl.ForgeTrainer). "
+                "No weight was updated in this step: call optimizer.zero_grad() and run the batch again.")
+        return UPDATE
+
+    def add_squares(self, squares: torch.Tensor) -> None:
+        """A fused weight's squared gradient norm, in the MEASURE pass."""
+        self.squares = squares.clone() if self.squares is None else self.squares + squares.to(self.squares.device)
+
+    def accumulated(self) -> list["FusedWeight"]:
+        """The fused weights holding an accumulation buffer not yet applied."""
+        return [h for h in self.weights.values() if h.buffer is not None]
 
     def open_backward(self) -> None:
         """A fused update runs in the current backward (the stepper says so once the weight's state exists)."""
@@ -81,8 +116,8 @@ class StepProgress:
             # Refuse before the next micro-batch's backward can apply a second update.
             if self.backward_open:
                 raise RuntimeError(_interrupted_message(handle.name, *self.updated_count()))
-            raise RuntimeError(_accumulation_message(handle.name) + " (This forward, with gradients enabled, "
-                               "came after backward and before optimizer.step().)")
+            raise RuntimeError(_accumulation_message(handle.name, self.accumulation_steps) + " (This forward, with "
+                               "gradients enabled, came after that backward and before optimizer.step().)")
         handle.forward_uses += 1
 
     def begin_update(self, handle: "FusedWeight") -> bool:
@@ -90,7 +125,7 @@ class StepProgress:
         was used several times in this step (each use's gradient goes to autograd, summed into .grad). Refuses a
         second update in one step, and a gradient that reached the weight from another use first."""
         if handle.updated:
-            raise RuntimeError(_accumulation_message(handle.name))
+            raise RuntimeError(_accumulation_message(handle.name, self.accumulation_steps))
         if handle.rows is not None:  # blocks of an interrupted backward's update were applied
             raise RuntimeError(_interrupted_message(handle.name, *self.updated_count()))
         # Decided per step: a layer called several times in this forward (a shared layer, or a stray forward
@@ -108,9 +143,13 @@ class StepProgress:
 
     def mark_updated(self, handle: "FusedWeight") -> None:
         """`handle`'s update of this step is applied: what reads its `.grad` from now on (clipping, however
-        imported) learns that the gradient was consumed here."""
+        imported) learns that the gradient was consumed here, or, where this optimizer clipped it, its norm."""
         handle.updated = True
-        handle.weight_ref().grad = handle.consumed_grad()
+        weight = handle.weight_ref()
+        if self.grad_pass == SCALED and handle.squares is not None:
+            weight.grad = ReportingGrad(weight, handle.name, handle.squares.sqrt)
+        else:
+            weight.grad = handle.consumed_grad()
 
     def close_interrupted(self) -> tuple[int, int]:
         """Close what a backward interrupted by an exception left open: a weight interrupted between blocks of
@@ -124,9 +163,25 @@ class StepProgress:
         """The step is over (`ForgeOptimizer.step()`): every fused weight may be used again."""
         self.backward_open = False
         self.step_checked = False
+        self.clip = None
+        self.end_pass()
         for handle in self.weights.values():
             handle.forward_uses = 0
             handle.updated = False
+            handle.squares = None
+
+    def end_pass(self) -> None:
+        """Back to plain backwards after `ForgeOptimizer.backward`'s pass (finished or interrupted)."""
+        self.grad_pass = UPDATE
+        self.grad_scale = None
+        self.squares = None
+        for handle in self.weights.values():
+            handle.pass_rows = None
+
+    def drop_accumulated(self) -> None:
+        """Forget the accumulated gradients (`zero_grad()`, as torch's clears accumulated `.grad`s)."""
+        for handle in self.weights.values():
+            handle.drop_buffer()
 
 
 _HANDLE_IDS = itertools.count(1)
@@ -162,6 +217,10 @@ class FusedWeight:
         # why its last forward took torch's own path (a tensor-parallel sharding whose dW is a partial sum)
         self.plain_reason: Optional[str] = None
         self.rows = None  # the step bound by `begin` (a kernels.ParamUpdate), until `finish`
+        self.pass_rows: Optional[GradRows] = None  # this backward's `grad_passes` work, until its last block
+        self.buffer: Optional[torch.Tensor] = None  # the accumulated gradient [N, K] (accumulation_steps > 1)
+        self.micro_batches = 0  # backwards added into `buffer`
+        self.squares: Optional[torch.Tensor] = None  # ‖grad‖² of this step's MEASURE pass (0-d float32)
         self._consumed: Optional[ConsumedGrad] = None  # the weight's placeholder .grad, made once (no memory)
 
     @property
@@ -207,10 +266,57 @@ class FusedWeight:
                 tensor_parallel.add_to_grad(weight, dw)
                 return None
             return dw
-        with host_range("forge::linear_update"):
-            stepper.linear(weight, x, dy)
-        self.progress.mark_updated(self)
+        mode = self.progress.mode_for(self)
+        if mode == UPDATE:
+            with host_range("forge::linear_update"):
+                stepper.linear(weight, x, dy)
+            self.progress.mark_updated(self)
+            return None
+        sink = self._open(stepper, mode)
+        with host_range("forge::linear_" + mode):
+            for r0, slab in slab_grads(rows_of(x), rows_of(dy), SLAB_BYTES):
+                sink.add(slab, r0)
+        self._close()
         return None
+
+    def _open(self, stepper, mode: str) -> GradRows:
+        """This backward's `GradRows` for `mode` (not UPDATE): the step bound where it updates, the buffer made
+        where it accumulates."""
+        weight = self.weight_ref()
+        update = None
+        if mode in (SCALED, APPLY):
+            update = self.rows = stepper.begin_rows(weight)
+        if mode in (ACCUMULATE, APPLY) and self.buffer is None:
+            self.buffer = torch.zeros(weight.shape, dtype=self.progress.accumulation_dtype, device=weight.device)
+        self.pass_rows = GradRows(mode, update=update, buffer=self.buffer, scale=self.progress.grad_scale,
+                                  device=weight.device)
+        return self.pass_rows
+
+    def _close(self) -> None:
+        """After the last block of a `GradRows`: its squared norm kept, its micro-batch counted, or its update
+        finished (its step counter moves)."""
+        sink, self.pass_rows = self.pass_rows, None
+        weight = self.weight_ref()
+        if sink.mode == MEASURE:
+            self.squares = sink.squares
+            self.progress.add_squares(sink.squares)
+        elif sink.mode == ACCUMULATE:
+            self.micro_batches += 1
+            self.forward_uses = 0  # counted per micro-batch
+            if self.progress.max_grad_norm is None:
+                weight.grad = self.consumed_grad()
+            else:  # clipped in step(): clip_grad_norm_ before it reads the buffer's norm
+                weight.grad = ReportingGrad(weight, self.name, functools.partial(_buffer_norm, self.buffer))
+        else:
+            self.close_rows()
+            if sink.mode == APPLY:
+                self.drop_buffer()
+            self.progress.mark_updated(self)
+
+    def drop_buffer(self) -> None:
+        """Free the accumulation buffer (applied, or cleared by `zero_grad()`)."""
+        self.buffer = None
+        self.micro_batches = 0
 
     # -- row_updates.RowSink: a weight whose gradient comes in blocks of rows (embeddings, the LM head's loss)
     def begin(self) -> bool:
@@ -218,21 +324,34 @@ class FusedWeight:
         stepper = self._stepper()
         if not self.progress.begin_update(self):
             return False
-        self.rows = stepper.begin_rows(self.weight_ref())
+        mode = self.progress.mode_for(self)
+        if mode == UPDATE:
+            self.rows = stepper.begin_rows(self.weight_ref())
+        else:
+            self._open(stepper, mode)
         return True
 
     def fused_rows(self, x: torch.Tensor, dy: torch.Tensor, r0: int) -> None:
         """Rows [r0, r0 + R) from dW = dyᵀ x: x [T, K], dy [T, R]."""
         with host_range("forge::rows_update"):
+            if self.pass_rows is not None:  # dW's rows as autograd rounds them
+                self.pass_rows.add(rows_of(dy).t().matmul(rows_of(x)), r0)
+                return
             self.rows.fused(x, dy, rows=r0, tf32=torch.get_float32_matmul_precision() != "highest")
 
     def grad_rows(self, grad: torch.Tensor, r0: int) -> None:
         """Rows [r0, r0 + R) from their gradient grad [R, K]."""
         with host_range("forge::rows_update"):
+            if self.pass_rows is not None:
+                self.pass_rows.add(grad, r0)
+                return
             self.rows.from_grad(grad, rows=r0)
 
     def finish(self) -> None:
         """After the last block: the step's scalar state and counter move, the weight counts as updated."""
+        if self.pass_rows is not None:
+            self._close()
+            return
         self.close_rows()
         self.progress.mark_updated(self)
 
@@ -258,13 +377,26 @@ def _interrupted_message(name: str, updated: int, fused: int) -> str:
     )
 
 
-def _accumulation_message(name: str) -> str:
+def _accumulation_message(name: str, accumulation_steps: int) -> str:
+    if accumulation_steps > 1:
+        return (f"'{name}' received a gradient after the backward that completed this step's "
+                f"accumulation_steps={accumulation_steps} micro-batches, in which FORGE applied the update of the "
+                f"accumulated gradient: call optimizer.step() after every {accumulation_steps} backwards (or construct "
+                "the optimizer with the accumulation_steps your loop runs).")
     return (
-        f"'{name}' received a second gradient before optimizer.step(): FORGE already applied this step's "
-        f"update inside the first backward, so gradient accumulation over micro-batches (or a second "
-        f"backward through the same graph, or a layer called twice inside a reentrant checkpoint) cannot be "
-        f"exact. Call optimizer.step() after every backward, or use a larger batch instead of accumulation."
+        f"'{name}' received a second gradient before optimizer.step(): FORGE already applied this step's update "
+        f"inside the first backward, from that backward's gradient alone (it was never stored). For gradient "
+        f"accumulation over k micro-batches, construct the optimizer with ForgeOptimizer(..., accumulation_steps=k) "
+        f"(a float32 buffer per fused weight; the k-th backward applies the update), or with fuse=False (every "
+        f"parameter stepped from .grad, as torch does). A second backward through the same graph, or a layer called "
+        f"twice inside a reentrant checkpoint, cannot be exact either. Otherwise call optimizer.step() after every "
+        f"backward."
     )
+
+
+def _buffer_norm(buffer: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of an accumulation buffer (0-d float32)."""
+    return square_sum(buffer).sqrt()
 
 
 def _dw(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

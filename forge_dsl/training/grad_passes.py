@@ -1,0 +1,108 @@
+"""Global-norm clipping and gradient accumulation for fused weights, whose gradients are never stored whole.
+
+    ForgeOptimizer(model, spec, max_grad_norm=c)    optimizer.backward(loss) runs backward twice:
+        MEASURE   each fused weight's squared gradient norm, summed on the device; nothing updated
+        SCALED    each fused weight's update from grad * clip_coefficient(norm, c)
+    ForgeOptimizer(model, spec, accumulation_steps=k)
+        ACCUMULATE   each backward adds the fused weights' gradients into a buffer per weight
+        APPLY        ... and the k-th (without max_grad_norm) updates from buffer + its own gradient there
+
+A fused weight's gradient reaches a pass as blocks of rows: slabs of a Linear's dW (`kernels.slabs.slab_grads`),
+tiles of an embedding's rows, vocabulary blocks of the LM head. `GradRows` does the pass's work on each block;
+`FusedWeight` (forge_dsl/training/weight.py) opens one per weight and backward and closes it after the last
+block. A block is dW as autograd rounds it (the activations' dtype: bf16 for a bf16 model), so clipping and
+accumulation see the gradients torch's `clip_grad_norm_` and `.grad` accumulation see; the squared norms and the
+buffer (`accumulation_dtype="fp32"`, the default) are float32.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+__all__ = ["ACCUMULATE", "APPLY", "ACCUMULATION_DTYPES", "GradRows", "MEASURE", "SCALED", "UPDATE",
+           "check_accumulation", "check_max_grad_norm", "clip_coefficient", "square_sum"]
+
+UPDATE = "update"  # the plain fused update (no clipping, no accumulation)
+MEASURE = "measure"
+SCALED = "scaled"
+ACCUMULATE = "accumulate"
+APPLY = "apply"
+
+ACCUMULATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: max_norm / (total_norm + 1e-6)
+
+
+def check_max_grad_norm(value) -> Optional[float]:
+    """`max_grad_norm` as ForgeOptimizer takes it: None (no clipping) or a positive finite number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"max_grad_norm must be a number or None, got {type(value).__name__}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"max_grad_norm must be positive and finite (None: no clipping), got {value}")
+    return float(value)
+
+
+def check_accumulation(steps, dtype) -> tuple[int, torch.dtype]:
+    """(`accumulation_steps`, the buffer's torch dtype) as ForgeOptimizer takes them: an int >= 1 and a name of
+    `ACCUMULATION_DTYPES`."""
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"accumulation_steps must be an int, got {type(steps).__name__}")
+    if steps < 1:
+        raise ValueError(f"accumulation_steps must be at least 1, got {steps}")
+    if dtype not in ACCUMULATION_DTYPES:
+        raise ValueError(f"accumulation_dtype must be one of {', '.join(map(repr, ACCUMULATION_DTYPES))}, "
+                         f"got {dtype!r}")
+    return steps, ACCUMULATION_DTYPES[dtype]
+
+
+def square_sum(t: torch.Tensor) -> torch.Tensor:
+    """‖t‖² as a 0-d float32 tensor on t's device (the norm taken in float32, as `clip_grad_norm_` takes a float32
+    gradient's)."""
+    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+
+
+def clip_coefficient(squares: torch.Tensor, grads: Iterable[torch.Tensor], max_norm: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the total norm, its clip coefficient) of the fused weights' summed squared norms `squares` (0-d float32)
+    and the gradients `grads`: sqrt(squares + Σ‖g‖²) and min(1, max_norm / (norm + 1e-6)), both 0-d float32 on
+    the device, no host sync. A non-finite norm gives what `clip_grad_norm_(error_if_nonfinite=False)` gives: a
+    NaN norm a NaN coefficient (every clipped gradient NaN), an infinite one 0 (inf * 0 = NaN where a gradient is
+    infinite, 0 elsewhere)."""
+    total = squares.clone()
+    for g in grads:
+        total += square_sum(g).to(total.device)
+    norm = total.sqrt()
+    return norm, torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+
+
+class GradRows:
+    """One fused weight's gradient in one backward of a pass other than UPDATE, block by block.
+
+    mode: MEASURE (`squares` += ‖block‖²), SCALED (the update from block * `scale`), ACCUMULATE (`buffer` rows +=
+    block), APPLY (`buffer` rows += block, then the update from those rows). `update` is the step's
+    `kernels.ParamUpdate` (SCALED, APPLY), `buffer` the weight's accumulation buffer [N, K] (ACCUMULATE, APPLY),
+    `scale` the clip coefficient (0-d float32, SCALED)."""
+
+    def __init__(self, mode: str, *, update=None, buffer: Optional[torch.Tensor] = None,
+                 scale: Optional[torch.Tensor] = None, device: Optional[torch.device] = None) -> None:
+        self.mode = mode
+        self.update = update
+        self.buffer = buffer
+        self.scale = scale
+        self.squares = torch.zeros((), dtype=torch.float32, device=device) if mode == MEASURE else None
+
+    def add(self, block: torch.Tensor, r0: int) -> None:
+        """Rows [r0, r0 + R) of the weight's gradient: block [R, K] (the caller's, written to in place where
+        SCALED)."""
+        if self.mode == MEASURE:
+            self.squares += square_sum(block)
+        elif self.mode == SCALED:
+            self.update.from_grad(block.mul_(self.scale), rows=r0)
+        else:
+            rows = self.buffer[r0:r0 + block.shape[0]]
+            rows += block
+            if self.mode == APPLY:
+                self.update.from_grad(rows, rows=r0)
