@@ -30,13 +30,14 @@ from . import aliases
 
 aliases.install()
 
-__all__ = ["ForgeOptimizer", "OffloadActivations", "SpecError", "fuse", "Spec", "builtin_names", "init_state",
+__all__ = ["ForgeOptimizer", "ForgeTrainer", "OffloadActivations", "SpecError", "fuse", "Spec", "builtin_names", "init_state",
            "load_spec", "reference_step"]
 __version__ = "0.1.0"
 
 # Each public name and the module that defines it.
 _PUBLIC = {
     "ForgeOptimizer": "forge_dsl.training.optimizer",
+    "ForgeTrainer": "forge_dsl.training.hf_trainer",  # needs transformers
     "fuse": "forge_dsl.training.installer",
     "OffloadActivations": "forge_dsl.training.offload",
     "SpecError": "forge_dsl.spec.errors",

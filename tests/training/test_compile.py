@@ -132,3 +132,28 @@ def test_the_host_ops_are_never_captured_by_cuda_graphs():
     from torch._inductor import config as inductor_config
 
     assert {"forge_dsl::linear", "forge_dsl::linear_backward"} <= set(inductor_config.custom_should_partition_ops)
+
+
+@pytest.mark.parametrize("k, max_norm", [(1, 0.05), (2, 0.05), (2, None)], ids=["clip", "accumulate-clip", "accumulate"])
+def test_clipping_and_accumulation_compiled(k, max_norm):
+    """optimizer.backward's two passes and accumulation's backwards through a compiled model (aot_eager: the
+    graphs compiled, the kernels eager's) against eager torch's clip_grad_norm_ and .grad accumulation."""
+    ours = make_mlp()
+    theirs = twin(ours, make_mlp)
+    opt = ForgeOptimizer(ours, "adamw", max_grad_norm=max_norm, accumulation_steps=k, **HYPERS["adamw"])
+    ref = torch.optim.AdamW(theirs.parameters(), **HYPERS["adamw"])
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    batches = mlp_batches(2 * k)
+    for i in range(0, len(batches), k):
+        for x, y in batches[i:i + k]:
+            opt.backward((compiled(x) - y).pow(2).mean() / k)
+            ((theirs(x) - y).pow(2).mean() / k).backward()
+        if max_norm is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm)
+        opt.step()
+        ref.step()
+        if max_norm is not None:
+            assert opt.last_grad_norm.item() == pytest.approx(ref_norm.item(), rel=1e-6)
+        opt.zero_grad()
+        ref.zero_grad()
+    assert_params_close(ours, theirs)

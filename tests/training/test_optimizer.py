@@ -695,10 +695,69 @@ def run_trainer(tmp_path, model, optimizer, **args):
 
 
 def test_hf_trainer_default_clipping_fails_loudly(tmp_path):
+    """A plain Trainer's clip_grad_norm_ after a plain backward: refused, naming ForgeTrainer and max_grad_norm=0."""
     model = make_llama()
     opt = ForgeOptimizer(model, "adamw")
-    with pytest.raises(RuntimeError, match=r"TrainingArguments\(max_grad_norm=0\)"):
+    with pytest.raises(RuntimeError, match=r"forge_dsl\.ForgeTrainer.*TrainingArguments\(max_grad_norm=0\)"):
         run_trainer(tmp_path, model, opt)  # max_grad_norm defaults to 1.0
+
+
+def run_forge_trainer(tmp_path, model, trainer_cls, **args):
+    """3 steps of `trainer_cls` (Trainer or forge_dsl.ForgeTrainer) with Trainer's own optimizer and schedule;
+    returns (losses, logged grad norms)."""
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    gen = torch.Generator().manual_seed(3)
+    data = []
+    for _ in range(12):
+        ids = torch.randint(0, 128, (16,), generator=gen)
+        data.append({"input_ids": ids, "labels": ids.clone()})
+    training_args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
+        max_steps=3, per_device_train_batch_size=2, logging_steps=1, disable_tqdm=True, seed=0, optim="adamw_torch",
+        learning_rate=2e-3, weight_decay=0.1, **args)
+    trainer = trainer_cls(model=model, args=training_args, train_dataset=data)
+    trainer.train()
+    history = trainer.state.log_history
+    return [h["loss"] for h in history if "loss" in h], [h["grad_norm"] for h in history if "grad_norm" in h]
+
+
+@pytest.mark.parametrize("args", [{}, {"gradient_accumulation_steps": 2},
+                                  {"gradient_accumulation_steps": 3, "max_grad_norm": 0.0}],
+                         ids=["default-clipping", "accumulation-and-clipping", "accumulation"])
+def test_forge_trainer_matches_torch(tmp_path, args):
+    """forge_dsl.ForgeTrainer against transformers.Trainer with torch AdamW under the same arguments, Trainer's
+    default max_grad_norm=1.0 (which clips at every step here) and gradient accumulation included."""
+    from transformers import Trainer
+
+    ours = make_llama()
+    theirs = twin(ours, make_llama)
+    before = snapshot(ours)
+    losses, norms = run_forge_trainer(tmp_path / "forge", ours, forge_dsl.ForgeTrainer, **args)
+    ref_losses, ref_norms = run_forge_trainer(tmp_path / "torch", theirs, Trainer, **args)
+    assert len(losses) == 3 and losses == pytest.approx(ref_losses, rel=1e-5)
+    if args.get("max_grad_norm", 1.0) > 0:
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        assert all(n > 1.0 for n in ref_norms)  # the clipping triggers
+    assert_params_close(ours, theirs)
+    moved = {n: rel_err(p, before[n]) for n, p in ours.named_parameters()}
+    assert min(moved.values()) > 1e-4
+
+
+def test_forge_trainer_refuses_a_mismatched_optimizer(tmp_path):
+    model = make_llama()
+    opt = ForgeOptimizer(model, "adamw")  # no max_grad_norm, while TrainingArguments clip at 1.0
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=not torch.cuda.is_available(), report_to=[],
+                             max_steps=1, per_device_train_batch_size=2)
+    data = [{"input_ids": torch.arange(16), "labels": torch.arange(16)}] * 2
+    trainer = forge_dsl.ForgeTrainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"max_grad_norm=None.*max_grad_norm=1\.0.*let ForgeTrainer build it"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
 @pytest.mark.parametrize(
