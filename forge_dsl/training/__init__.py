@@ -10,6 +10,8 @@
     hf_head         that loss installed on Hugging Face causal LMs
     row_updates     where gradients that come in blocks of rows go (RowSink)
     consumed_grad   the `.grad` of a fused weight after its update
+    grad_passes     global-norm clipping and gradient accumulation of fused weights
+    hf_trainer      ForgeTrainer: Hugging Face's Trainer with ForgeOptimizer (imports transformers)
     tensor_parallel DTensor-sharded models
     offload         OffloadActivations: saved activations in pinned host memory
     checkpoint      what a state dict holds beyond torch's, and its checks

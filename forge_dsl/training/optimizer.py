@@ -41,19 +41,23 @@ Exactness rules (each refused loudly when it cannot hold):
   * a step is checked whole before its first update (`ParamStepper.check_step`:
     every group's hyperparameters, parameters that changed shape or went to
     the meta device): a refused step changes no weight;
-  * gradient accumulation raises: a forward with gradients through a fused
-    weight after its update and before `step()` (or a second backward through
-    it) is refused, because this step's update already happened;
+  * gradient accumulation is opt-in (`accumulation_steps=k`: each backward adds
+    the fused weights' dW into a float32 buffer, the k-th applies the update);
+    without it, a forward with gradients through a fused weight after its update
+    and before `step()` (or a second backward through it) is refused, because
+    this step's update already happened;
   * a fused weight that also gets a gradient from a use outside its Linear
     (`F.linear(x, module.weight)`) raises, in backward or in `step()`;
   * after its update a fused weight's `.grad` is a `consumed_grad.ConsumedGrad`,
     which holds no memory and makes every reader say why it cannot be exact:
-    global-norm clipping needs every gradient before any update, so
-    `clip_grad_norm_` and `clip_grads_with_norm_` raise, however they were
-    imported (Hugging Face Trainer: `TrainingArguments(max_grad_norm=0)`; with
-    `max_norm=inf`, which only measures, `clip_grad_norm_` returns NaN and
-    scales nothing), `clip_grad_value_` raises too (clamp in the spec instead),
-    and `max_grad_norm=` is not offered;
+    global-norm clipping needs every gradient before any update, so after a
+    plain `loss.backward()` `clip_grad_norm_` and `clip_grads_with_norm_` raise,
+    however they were imported (with `max_norm=inf`, which only measures,
+    `clip_grad_norm_` returns NaN and scales nothing); exact clipping is opt-in:
+    `max_grad_norm=c` with `optimizer.backward(loss)` (two backward passes,
+    `grad_passes`; Hugging Face Trainer: `forge_dsl.ForgeTrainer`), after which
+    `clip_grad_norm_` returns the norm and scales nothing; `clip_grad_value_`
+    raises (clamp in the spec instead);
   * `torch.autocast` over a fused layer raises: train a bf16 model instead;
   * a model sharded with tensor parallelism (DTensor weights) is fused shard by shard where each rank's dW is
     complete, and the rest is stepped from reduced gradients (`forge_dsl.training.tensor_parallel`); fusing under data
@@ -141,6 +145,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
             autograd's dW is, each consumed at once by the element-wise kernel.
         lm_head_loss: with a module as `params`, a Hugging Face causal LM: its loss computed without logits and
             its LM head updated a vocabulary block at a time in backward (see `fuse`); default False.
+        max_grad_norm: clip by the global gradient norm, exactly as `torch.nn.utils.clip_grad_norm_(params, c)`
+            before each step; call `backward(loss)` in place of `loss.backward()` (see there). Default None.
+        accumulation_steps: gradient accumulation over k backwards before each `step()` (torch's loop): the
+            fused weights' gradients summed in a buffer per weight, the k-th backward applies the update.
+        accumulation_dtype: that buffer's dtype, "fp32" (default: torch's fp32 accumulation) or "bf16".
         foreach: True (default) steps the parameters left to `step()` that have up to 2**20
             elements and share dtypes and state layouts (norm weights, biases) in one launch
             (`forge_dsl.kernels.foreach`), as torch.optim's `foreach` does: each launch costs host
@@ -149,8 +158,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         **hypers: the spec's keywords with torch's names and defaults (`lr`, `betas=(...)`, ...).
 
     Raises:
-        ValueError: bad hyperparameters (like torch.optim), `max_grad_norm` (see module docstring),
-            or a model whose parameters the kernels cannot run on (dtype or device).
+        ValueError: bad hyperparameters (like torch.optim), `max_grad_norm` or `accumulation_steps` out of range
+            (or with tensor parallelism), or a model whose parameters the kernels cannot run on (dtype or device).
     """
 
     def __init__(
