@@ -132,6 +132,9 @@ METHODS = {m.name: m for m in (
     Method("bnb-adamw8bit", _bnb_adamw8bit, needs="bitsandbytes"),
     Method("bnb-adamw8bit-in-backward", _bnb_adamw8bit_in_backward, needs="bitsandbytes"),
     Method("fsdp2-torch-adamw", _torch_adamw),  # --tp N only: FSDP2 over the N ranks (forge_dsl.bench.parallel)
+    # --tp N only: FSDP2 over the N ranks, each shard updated in backward as its gradient lands
+    Method("fsdp2-forge-bf16", _forge("bf16")),
+    Method("fsdp2-forge-int8", _forge("int8")),
 )}
 SINGLE_GPU_METHODS = [name for name in METHODS if name not in FSDP_METHODS]
 TP_METHODS = ["forge-bf16", "forge-int8", "forge-int4", "torch-adamw", *FSDP_METHODS]

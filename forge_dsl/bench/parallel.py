@@ -9,6 +9,8 @@ Each rank builds the model on the meta device, shards it there and then material
     every method but fsdp2-*   tensor parallelism on a one-dimensional mesh of the N ranks (`llama_tp_plan`)
     fsdp2-torch-adamw          FSDP2 over the N ranks (`fully_shard` on each decoder layer, then the root) with
                                torch.optim.AdamW(fused=True): the user's alternative, data-parallel sharding
+    fsdp2-forge-bf16 / -int8   the same FSDP2 sharding with ForgeOptimizer: each shard updated in backward as
+                               FSDP2's reduce-scatter lands its gradient (forge_dsl.training.data_parallel)
 
 Every rank feeds the same tokens (tensor parallelism splits the work of one sequence). Under FSDP2 each rank
 feeds its own sequence of that length, so a step processes N sequences: its `tokens_per_s` counts them all.
@@ -28,7 +30,7 @@ from .common import UsageError
 
 __all__ = ["FSDP_METHODS", "Parallel", "gather_row", "init", "llama_tp_plan", "shard"]
 
-FSDP_METHODS = ("fsdp2-torch-adamw",)
+FSDP_METHODS = ("fsdp2-torch-adamw", "fsdp2-forge-bf16", "fsdp2-forge-int8")
 
 
 class Parallel:

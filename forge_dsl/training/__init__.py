@@ -13,6 +13,7 @@
     grad_passes     global-norm clipping and gradient accumulation of fused weights
     hf_trainer      ForgeTrainer: Hugging Face's Trainer with ForgeOptimizer (imports transformers)
     tensor_parallel DTensor-sharded models
+    data_parallel   FSDP2: each shard updated in backward as its reduced gradient lands
     offload         OffloadActivations: saved activations in pinned host memory
     checkpoint      what a state dict holds beyond torch's, and its checks
 """

@@ -37,7 +37,7 @@ import math
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["ConsumedGrad", "ReportedNorm", "ReportingGrad", "Unknown", "consumed_grad", "CLIP_MESSAGE",
+__all__ = ["ConsumedGrad", "ReportedNorm", "ReportingGrad", "Unknown", "consumed_grad", "CLIP_MESSAGE", "SHARD_ACCUMULATION_MESSAGE",
            "VALUE_CLIP_MESSAGE", "OUTSIDE_USE_MESSAGE"]
 
 CLIP_MESSAGE = (
@@ -61,6 +61,14 @@ OUTSIDE_USE_MESSAGE = (
     "written to: that gradient cannot be added to an update already applied. Use the weight only through its "
     "module, or construct the optimizer with fuse=False."
 )
+
+SHARD_ACCUMULATION_MESSAGE = (
+    "FSDP2 added a second gradient to this shard's before optimizer.step(), but FORGE already applied this step's "
+    "update of the shard inside the first backward, from that backward's gradient alone (then dropped). For "
+    "gradient accumulation over k micro-batches construct the optimizer with accumulation_steps=k, or with "
+    "fuse=False; otherwise call optimizer.step() after every backward."
+)
+_VIEWS = ("view", "alias", "detach", "_unsafe_view", "view_as", "as_strided")
 
 _CLAMPS = ("clamp_", "clamp_min_", "clamp_max_", "clip_", "_foreach_clamp_min_", "_foreach_clamp_max_")
 _SCALES = ("mul_", "div_", "_foreach_mul_", "_foreach_div_")
@@ -111,6 +119,10 @@ class Unknown(torch.Tensor):
                                + CLIP_MESSAGE)
         if op.endswith("_") or "out" in kwargs:
             return _in_place(op, args, ours, kinds)
+        if op in _VIEWS and len(ours) == 1:  # a view of a placeholder is the same placeholder (DTensor wraps one)
+            out = func(*tree_map(lambda a: torch.empty(a.shape, dtype=a.dtype, device="meta")
+                                 if isinstance(a, torch.Tensor) else a, args), **kwargs)
+            return Unknown(out.shape, out.dtype, first.device, first.kind, first.param_name)
         if op == "mul" and kinds == {"reciprocal"}:  # max_norm / value: a clip coefficient
             scalars = [float(a) for a in flat if not isinstance(a, Unknown) and _is_scalar(a)]
             if scalars and all(v == math.inf for v in scalars):
@@ -179,6 +191,8 @@ def _in_place(op: str, args, ours: list, kinds: set):
     if op in _SCALES:
         raise RuntimeError(f"clipping cannot scale the gradient of the FORGE-fused weight '{first.param_name}', and the "
                            "total norm never saw it: " + CLIP_MESSAGE)
+    if any(isinstance(t, Unknown) and t.kind == "shard" for t in targets):
+        raise RuntimeError(f"'{first.param_name}': " + SHARD_ACCUMULATION_MESSAGE)
     if any(isinstance(t, Unknown) and t.kind == "grad" for t in targets):
         raise RuntimeError(f"'{first.param_name}': " + OUTSIDE_USE_MESSAGE)
     raise RuntimeError(f"a value computed from the gradient of the FORGE-fused weight '{first.param_name}', which FORGE "
@@ -221,6 +235,8 @@ class ReportedNorm(Unknown):
         return f"ReportedNorm({self.value!r})"
 
 
-def consumed_grad(weight: torch.Tensor, name: str) -> ConsumedGrad:
-    """The placeholder `.grad` of `weight` [N, K], updated inside backward (`name`: its parameter's name)."""
-    return ConsumedGrad(weight.shape, weight.dtype, weight.device, "grad", name)
+def consumed_grad(weight: torch.Tensor, name: str, kind: str = "grad") -> ConsumedGrad:
+    """The placeholder `.grad` of `weight` [N, K], updated inside backward (`name`: its parameter's name); kind
+    "shard": an FSDP2 shard's (forge_dsl/training/data_parallel.py), to which FSDP2 adds a second backward's
+    gradient in place."""
+    return ConsumedGrad(weight.shape, weight.dtype, weight.device, kind, name)

@@ -21,6 +21,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from . import tensor_parallel
+
 __all__ = ["ACCUMULATE", "APPLY", "ACCUMULATION_DTYPES", "GradRows", "MEASURE", "SCALED", "UPDATE",
            "check_accumulation", "check_max_grad_norm", "clip_coefficient", "square_sum"]
 
@@ -60,8 +62,11 @@ def check_accumulation(steps, dtype) -> tuple[int, torch.dtype]:
 
 def square_sum(t: torch.Tensor) -> torch.Tensor:
     """‖t‖² as a 0-d float32 tensor on t's device (the norm taken in float32, as `clip_grad_norm_` takes a float32
-    gradient's)."""
-    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+    gradient's); of a DTensor (a sharded gradient), the whole tensor's, reduced across its mesh."""
+    norm = torch.linalg.vector_norm(t, dtype=torch.float32)
+    if tensor_parallel.is_dtensor(norm):
+        norm = norm.full_tensor()
+    return norm.square()
 
 
 def clip_coefficient(squares: torch.Tensor, grads: Iterable[torch.Tensor], max_norm: float

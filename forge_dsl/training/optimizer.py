@@ -60,8 +60,9 @@ Exactness rules (each refused loudly when it cannot hold):
     raises (clamp in the spec instead);
   * `torch.autocast` over a fused layer raises: train a bf16 model instead;
   * a model sharded with tensor parallelism (DTensor weights) is fused shard by shard where each rank's dW is
-    complete, and the rest is stepped from reduced gradients (`forge_dsl.training.tensor_parallel`); fusing under data
-    parallelism (DDP, FSDP, a mesh with a data-parallel dimension) is refused at construction.
+    complete, and the rest is stepped from reduced gradients (`forge_dsl.training.tensor_parallel`);
+  * a model sharded with FSDP2 (`fully_shard`) has each shard updated in backward as its reduced gradient
+    lands (`forge_dsl.training.data_parallel`); DDP, FSDP1 and FSDP2 on a 2-D mesh are refused at construction.
 """
 
 from __future__ import annotations
@@ -77,12 +78,17 @@ from ..kernels.foreach import FOREACH_MAX_ELEMENTS, shared_launch_key
 from ..kernels.policy import LINEAR_PATHS, interpreting
 from ..spec.keywords import check_seed, resolve_hypers
 from ..spec.loading import SpecLike, load_spec
-from . import checkpoint, grad_passes, hf_head, installer, tensor_parallel
+from . import checkpoint, data_parallel, grad_passes, hf_head, installer, tensor_parallel
 from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad
 from .installer import fuse
 from .stepper import INITIAL_KEY, ParamStepper, group_hypers, initial_value_hypers
 
 __all__ = ["ForgeOptimizer", "fuse"]
+
+
+def _is_placeholder(grad: torch.Tensor) -> bool:
+    """A fused weight's `ConsumedGrad` / `ReportingGrad`, or an FSDP2 shard's placeholder: nothing to step."""
+    return isinstance(grad, ConsumedGrad) or data_parallel.is_placeholder(grad)
 
 
 def _overlapping_pair(params: list) -> Optional[tuple[tuple[int, torch.Tensor], tuple[int, torch.Tensor]]]:
@@ -189,7 +195,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
             model = params
             if lm_head_loss and fuse:
                 hf_head.check_installable(model)
-            candidates = installer.candidates(model) if fuse else {}
+            sharded_dp = fuse and data_parallel.fully_sharded(model)
+            if sharded_dp:  # FSDP2: each shard updated in backward as its gradient lands, nothing fused
+                refusal = data_parallel.fsdp2_refusal(model)
+                if refusal is not None:
+                    raise ValueError(refusal)
+            candidates = installer.candidates(model) if fuse and not sharded_dp else {}
+            if sharded_dp:
+                candidates = {id(p): installer.Candidate(p, None, name, None) for name, p in model.named_parameters()}
             params = model_params if model_params is not None else [
                 p for p in model.parameters() if p.requires_grad]
         else:
@@ -204,6 +217,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                 f"but got {torch.typename(params)}")
             model = None
             candidates = {}
+            sharded_dp = False
         if linear_path not in LINEAR_PATHS:
             raise ValueError(f"linear_path must be one of {', '.join(LINEAR_PATHS)}, got {linear_path!r}")
         self.foreach = bool(foreach)
@@ -251,13 +265,20 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._check_param(p)
         self._check_own_memory(list(self._param_index))
         sharded = next((p for p in self._param_index if tensor_parallel.is_dtensor(p)), None)
-        if sharded is not None and (self.max_grad_norm is not None or self.accumulation_steps > 1):
+        if (sharded is not None and not sharded_dp and
+                (self.max_grad_norm is not None or self.accumulation_steps > 1)):
             raise ValueError(
                 f"max_grad_norm= and accumulation_steps= are not supported with tensor parallelism yet ("
-                f"{self._names.get(sharded, 'a parameter')} is a DTensor): the norm of sharded gradients needs an "
-                "all-reduce across the mesh that FORGE does not do. Construct the optimizer with fuse=False and use "
+                f"'{self._names.get(sharded, 'a parameter')}' is a DTensor): the norm of sharded gradients needs an "
+                "all-reduce across the mesh that FORGE does not do. Construct the optimizer with fuse=False (without "
+                "these options) and use "
                 "torch.nn.utils.clip_grad_norm_ and .grad accumulation, or train without them")
-        if fuse:
+        self._shard_updates = None
+        if sharded_dp:
+            self._shard_updates = data_parallel.ShardUpdates(
+                self._stepper, [p for p in self._param_index if tensor_parallel.is_dtensor(p)])
+            self._finalizer = weakref.finalize(self, self._shard_updates.remove)
+        elif fuse:
             heads = [model] if lm_head_loss else []
             if model is None:
                 heads = [m for p in self._param_index if (m := installer.head_loss_model(p)) is not None]
@@ -333,6 +354,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Give every fused Linear back the forward it had (the model then trains with any optimizer); the
         parameters left are stepped from `.grad` in `step()`."""
         installer.detach(self._stepper, self._head_installs)
+        if self._shard_updates is not None:  # FSDP2: no more updates in backward, every shard stepped in step()
+            self._shard_updates.remove()
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's `add_param_group`, checked whole before the optimizer changes (a group refused is not added).
@@ -387,12 +410,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
                           "the accumulated gradients, which it dropped). Call optimizer.zero_grad() and run the "
                           "batch again.", RuntimeWarning, stacklevel=2)
             progress.drop_accumulated()
-            progress.end()
+            self._end_step()
             return loss
         self._stepper.check_step()
         for handle in progress.accumulated():  # micro-batches of a shared layer, which autograd summed into .grad
             weight = handle.weight_ref()
-            if weight.grad is not None and not isinstance(weight.grad, ConsumedGrad):
+            if weight.grad is not None and not _is_placeholder(weight.grad):
                 handle.buffer += weight.grad
                 weight.grad = None
         if self.max_grad_norm is not None:
@@ -409,10 +432,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     p.grad = handle.consumed_grad()
                     continue
                 if handle is not None and handle.updated:
-                    if p.grad is not None and not isinstance(p.grad, ConsumedGrad):
+                    if p.grad is not None and not _is_placeholder(p.grad):
                         raise RuntimeError(f"'{handle.name}': " + OUTSIDE_USE_MESSAGE)
                     continue  # its step counter moved with its update (a zero_grad() since cleared its .grad)
-                if p.grad is None or isinstance(p.grad, ConsumedGrad):
+                if p.grad is None or _is_placeholder(p.grad):
                     continue
                 if handle is not None:  # fused, but not through its module's forward this step
                     handle.bypassed = not handle.shared and handle.plain_reason is None
@@ -430,8 +453,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 self._stepper.from_grad(p, grad, state, hypers)
             for (count, _, _), params in shared.items():
                 self._stepper.flat(params, [grads[p] for p in params], count, hypers)
-        progress.end()
+        self._end_step()
         return loss
+
+    def _end_step(self) -> None:
+        self._stepper.progress.end()
+        if self._shard_updates is not None:
+            self._shard_updates.end_step()
 
     def _clip_grads(self) -> None:
         """Scale the gradients `step()` steps by this step's clip coefficient: the one `backward(loss)` computed,
@@ -439,7 +467,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         gradient's norm now (accumulation buffers and `.grad`s), as `clip_grad_norm_(params, max_grad_norm)`
         computes it. Sets `last_grad_norm`."""
         progress = self._stepper.progress
-        grads = [p.grad for p in self._param_index if p.grad is not None and not isinstance(p.grad, ConsumedGrad)]
+        grads = [p.grad for p in self._param_index if p.grad is not None and not _is_placeholder(p.grad)]
         if progress.clip is not None:
             norm, coefficient = progress.clip
         else:
@@ -450,7 +478,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             for buffer in buffers:
                 buffer.mul_(coefficient.to(buffer.device))
         for g in grads:
-            g.mul_(coefficient.to(g.device))
+            tensor_parallel.local(g).mul_(coefficient.to(g.device))
         self.last_grad_norm = norm
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -483,7 +511,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             progress.end_pass()
             raise
         squares = progress.squares
-        grads = {p: p.grad for p in self._param_index if p.grad is not None and not isinstance(p.grad, ConsumedGrad)}
+        grads = {p: p.grad for p in self._param_index if p.grad is not None and not _is_placeholder(p.grad)}
         if squares is None:  # no fused weight measured (every one of them shared or unused in this forward)
             squares = torch.zeros((), dtype=torch.float32, device=loss.device)
         norm, coefficient = grad_passes.clip_coefficient(squares, grads.values(), self.max_grad_norm)
@@ -506,6 +534,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         are dropped, as torch's accumulated `.grad`s are."""
         updated, _ = self._stepper.progress.updated_count()
         self._stepper.progress.drop_accumulated()
+        if self._shard_updates is not None:
+            self._shard_updates.drop_accumulated()
         super().zero_grad(set_to_none)
         if updated:
             warnings.warn(

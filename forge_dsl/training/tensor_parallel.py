@@ -30,9 +30,11 @@ process would hold. `ForgeOptimizer.state_dict()` hands them out as DTensors of 
 of a parameter sharded along its last dim needs every shard to start on a 64-column block
 (`quantized_sharding_refusal`), refused otherwise when the optimizer is built.
 
-Refused with the reason (`data_parallel_refusal`): DistributedDataParallel, FSDP (`fully_shard` or
+Refused with the reason (`data_parallel_refusal`), for fusing: DistributedDataParallel, FSDP (`fully_shard` or
 FullyShardedDataParallel) and meshes of more than one dimension (a data-parallel dimension), where each rank
-holds a partial gradient that must be reduced before any update.
+holds a partial gradient that must be reduced before any update. A model with FSDP2 modules passed to
+`ForgeOptimizer` itself is not fused but has each shard updated as its reduced gradient lands
+(forge_dsl/training/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ except ImportError:  # a torch build without torch.distributed: no DTensor can r
     DTensor = Partial = Replicate = Shard = None
 
 __all__ = ["DTensor", "LinearSharding", "add_to_grad", "data_parallel_refusal", "embedding_sharding", "global_layouts",
-           "global_state", "is_dtensor", "linear_sharding", "local", "local_grad", "local_state", "mesh_refusal",
+           "global_state", "is_dtensor", "is_fsdp2", "linear_sharding", "local", "local_grad", "local_state", "mesh_refusal",
            "quantized_sharding_refusal", "shard_index", "state_layouts", "wrap"]
 
 
@@ -101,19 +103,21 @@ def data_parallel_refusal(model: torch.nn.Module) -> Optional[str]:
     else:
         for module in model.modules():
             name = type(module).__name__
-            if "FullyShardedDataParallel" in name or _is_fsdp2(module):
+            if "FullyShardedDataParallel" in name or is_fsdp2(module):
                 why = f"FSDP ({name})"
                 break
     if why is None:
         return None
     return (f"FORGE cannot fuse the update into backward under data parallelism ({why}): each rank would update its "
-            "weights from its own partial gradient, before the reduction across ranks. Build the optimizer with "
-            "fuse=False (every parameter is then stepped in step() from its reduced gradient, exactly), or shard "
-            "the model with tensor/sequence parallelism (torch.distributed.tensor.parallel.parallelize_module), "
-            "under which FORGE fuses.")
+            "weights from its own partial gradient, before the reduction across ranks. Shard the model with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard) and pass the model itself, ForgeOptimizer(model, ...), which "
+            "then updates each shard in backward as its reduced gradient lands; or build the optimizer with "
+            "fuse=False (every parameter stepped in step() from its reduced gradient, exactly); or shard the model "
+            "with tensor/sequence parallelism (torch.distributed.tensor.parallel.parallelize_module), under which "
+            "FORGE fuses.")
 
 
-def _is_fsdp2(module: torch.nn.Module) -> bool:
+def is_fsdp2(module: torch.nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:

@@ -27,7 +27,7 @@ import forge_dsl
 from references import ADAMAX
 from tiers import sweep
 from forge_dsl import kernels
-from forge_dsl.kernels import checks, policy, steps
+from forge_dsl.kernels import checks, policy, slabs, steps
 from forge_dsl.spec.variants import combinations, describe_combo
 from forge_dsl.spec.keywords import resolve_hypers
 from forge_dsl.kernels.layouts import StateLayout
@@ -676,7 +676,7 @@ def test_slab_bytes_default_by_state_layout(monkeypatch):
     """Without `slab_bytes`, the slab path takes 16 MiB slabs, and 32 MiB ones with int8 state."""
     budgets = []
     real_slab_rows = policy.slab_rows
-    monkeypatch.setattr(steps, "slab_rows", lambda N, K, size, budget: budgets.append(budget) or
+    monkeypatch.setattr(slabs, "slab_rows", lambda N, K, size, budget: budgets.append(budget) or
                         real_slab_rows(N, K, size, budget))
     w, x, dy = make_problem(14, torch.float32)
     for layout in ("bf16", "int8"):

@@ -70,3 +70,28 @@ def test_lm_head_loss_refuses_a_sharded_head(tmp_path):
     finally:
         if created:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kwargs", [{"max_grad_norm": 1.0}, {"accumulation_steps": 2}])
+def test_clipping_and_accumulation_are_refused_with_tensor_parallelism(tmp_path, kwargs):
+    """Not built for tensor parallelism (the norm of sharded gradients needs an all-reduce FORGE does not do):
+    refused when the optimizer is built, naming fuse=False (one process: a one-rank mesh makes DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from forge_dsl import ForgeOptimizer
+    from training_models import make_mlp
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = make_mlp()
+        parallelize_module(model.up, init_device_mesh("cpu", (1,)), ColwiseParallel())
+        with pytest.raises(ValueError, match=r"not supported with tensor parallelism yet \('up\.weight' is a DTensor\)"
+                                             r".*fuse=False"):
+            ForgeOptimizer(model, "adamw", **kwargs)
+        assert "forward" not in model.up.__dict__
+    finally:
+        if created:
+            dist.destroy_process_group()
