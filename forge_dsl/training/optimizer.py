@@ -578,8 +578,19 @@ class ForgeOptimizer(torch.optim.Optimizer):
                          f"again) ({len(replaced)}): " + ", ".join(replaced))
         for p, why in self._unfused_reason.items():
             lines.append(f"  unfused, {why}: {self._names.get(p, '?')}")
+        if self.max_grad_norm is not None:
+            lines.append(f"  clipped by the global gradient norm to {self.max_grad_norm:g} (optimizer.backward(loss)"
+                         + (", the norm taken in step())" if self.accumulation_steps > 1 else ": two backward passes)"))
+        if self.accumulation_steps > 1:
+            lines.append(f"  gradients accumulated over {self.accumulation_steps} backwards "
+                         f"({self.accumulation_dtype} buffer per fused weight)")
+        shards = [] if self._shard_updates is None else [
+            self._names.get(p, "?") for p in self._param_index if tensor_parallel.is_dtensor(p)]
+        if shards:
+            when = "in step(), clipped" if self.max_grad_norm is not None else "in backward, as its gradient lands"
+            lines.append(f"  FSDP2 shards updated {when} ({len(shards)}): " + ", ".join(shards))
         rest = [self._names.get(p, "?") for p in self._param_index if p not in self._handles and p not in
-                self._unfused_reason]
+                self._unfused_reason and self._names.get(p, "?") not in shards]
         lines.append(f"  stepped from .grad in step() ({len(rest)}): " + (", ".join(rest) or "none"))
         return "\n".join(lines)
 

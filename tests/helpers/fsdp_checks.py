@@ -110,6 +110,8 @@ def check_updated_in_backward(rank, world, tmp):
         assert "max_grad_norm=c" in str(e), e
     opt.step()
     assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
+    assert "FSDP2 shards updated in backward, as its gradient lands (6)" in opt.describe(), opt.describe()
+    assert "stepped from .grad in step() (0)" in opt.describe(), opt.describe()
     opt.zero_grad()
 
 

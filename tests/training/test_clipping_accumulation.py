@@ -221,6 +221,14 @@ def test_clip_grad_norm_reports_the_norm_and_scales_nothing(k, foreach):
     assert_params_close(ours, theirs)
 
 
+def test_describe_says_what_is_clipped_and_accumulated():
+    opt = ForgeOptimizer(make_mlp(), "adamw", max_grad_norm=0.5, accumulation_steps=3, accumulation_dtype="bf16")
+    text = opt.describe()
+    assert "clipped by the global gradient norm to 0.5 (optimizer.backward(loss), the norm taken in step())" in text
+    assert "gradients accumulated over 3 backwards (bf16 buffer per fused weight)" in text
+    assert "two backward passes" in ForgeOptimizer(make_mlp(), "adamw", max_grad_norm=1.0).describe()
+
+
 def test_clip_grad_norm_by_another_norm_type_is_refused():
     model = make_mlp()
     opt = ForgeOptimizer(model, "adamw", max_grad_norm=1.0)
