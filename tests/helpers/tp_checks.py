@@ -461,8 +461,12 @@ def check_refusals(rank, world, tmp):
     sharded = MLP()
     fully_shard(sharded.up, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    _raises(lambda: ForgeOptimizer(sharded, "adamw"), "FSDP", "partial gradient", "fuse=False")
-    _raises(lambda: forge_dsl.fuse(sharded), "FSDP")
+    # FSDP2 passed as the model: each shard updated in backward (tests/helpers/fsdp_checks.py); parameters first
+    # (forge_dsl.fuse), refused with what to do
+    opt = ForgeOptimizer(sharded, "adamw")
+    assert "FSDP2 shards updated in backward" in opt.describe(), opt.describe()
+    opt.detach()
+    _raises(lambda: forge_dsl.fuse(sharded), "FSDP", "partial gradient", "ForgeOptimizer(model, ...)", "fuse=False")
 
 
 def check_fsdp_unfused_steps_exactly(rank, world, tmp):
