@@ -25,9 +25,12 @@ or gradient accumulation, which keeps the gradient in a buffer), a fused weight'
 norm is known (the first pass's sum of squares, or the buffer's), so `clip_grad_norm_` computes the true total
 norm, before clipping, and returns it as a `ReportedNorm`, a tensor with that value. Scaling any gradient by a
 value computed from a `ReportedNorm` does nothing: the optimizer applies the clipping itself, once, with its own
-`max_grad_norm` (`clip_grad_norm_` "no longer needs to clip").
+`max_grad_norm` (`clip_grad_norm_` "no longer needs to clip"); so does any in-place `mul_` / `div_` by such a value
+(whatever the tensor: use `float(norm)` to scale something else by it).
 
-`ForgeOptimizer.step()` steps no parameter whose `.grad` is a `ConsumedGrad`; `zero_grad()` clears it.
+`ForgeOptimizer.step()` steps no parameter whose `.grad` is a `ConsumedGrad`; `zero_grad()` clears it (with
+`set_to_none=False` it stays, zeroed in place as a no-op; an accumulation placeholder's `on_zero` then drops the
+micro-batches it stands for).
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ SHARD_ACCUMULATION_MESSAGE = (
     "FSDP2 added a second gradient to this shard's before optimizer.step(), but FORGE already applied this step's "
     "update of the shard inside the first backward, from that backward's gradient alone (then dropped). For "
     "gradient accumulation over k micro-batches construct the optimizer with accumulation_steps=k, or with "
-    "fuse=False; otherwise call optimizer.step() after every backward."
+    "fuse=False; otherwise call optimizer.step() after every backward. (After step(), clear the gradients with "
+    "optimizer.zero_grad(), or with set_to_none=True: zeroing this placeholder in place leaves it in .grad.)"
 )
 _VIEWS = ("view", "alias", "detach", "_unsafe_view", "view_as", "as_strided")
 
@@ -182,6 +186,9 @@ def _in_place(op: str, args, ours: list, kinds: set):
     first = ours[0]
     targets = target if isinstance(target, (list, tuple)) else [target]
     if op == "zero_" and isinstance(target, Unknown):
+        on_zero = getattr(target, "on_zero", None)
+        if on_zero is not None:  # zero_grad(set_to_none=False) clears what the placeholder stands for
+            on_zero()
         return target
     if op in _SCALES and kinds <= {"one", "grad"} and "one" in kinds:
         return target  # scaled by an infinite max_norm's coefficient, exactly 1: nothing to do

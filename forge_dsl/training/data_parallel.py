@@ -96,8 +96,10 @@ class ShardUpdates:
         self.micro_batches[p] = 0
 
     def end_step(self) -> None:
-        """`step()` closed the step: every shard may be updated again."""
+        """`step()` closed the step (and stepped the shards whose micro-batches were fewer than k): every shard may
+        be updated again, its micro-batches counted from 0."""
         self.updated.clear()
+        self.micro_batches.clear()
 
     def drop_accumulated(self) -> None:
         """`zero_grad()`: the micro-batches counted so far are dropped with their gradients."""

@@ -10,9 +10,11 @@
 A fused weight's gradient reaches a pass as blocks of rows: slabs of a Linear's dW (`kernels.slabs.slab_grads`),
 tiles of an embedding's rows, vocabulary blocks of the LM head. `GradRows` does the pass's work on each block;
 `FusedWeight` (forge_dsl/training/weight.py) opens one per weight and backward and closes it after the last
-block. A block is dW as autograd rounds it (the activations' dtype: bf16 for a bf16 model), so clipping and
-accumulation see the gradients torch's `clip_grad_norm_` and `.grad` accumulation see; the squared norms and the
-buffer (`accumulation_dtype="fp32"`, the default) are float32.
+block. A Linear's or the head's block is dW as autograd rounds it (the activations' dtype: bf16 for a bf16
+model), an embedding's the float32 sum its fused backward forms (more exact than torch's, which rounds it to the
+weight's dtype). The squared norms, the norm and the coefficient are float32 (torch takes a bf16 gradient's
+norm in bf16: for a bf16 model the coefficients differ by up to ~0.4 %, below bf16's resolution of the gradients
+they scale); the buffer (`accumulation_dtype="fp32"`, the default) too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from . import tensor_parallel
 
 __all__ = ["ACCUMULATE", "APPLY", "ACCUMULATION_DTYPES", "GradRows", "MEASURE", "SCALED", "UPDATE",
-           "check_accumulation", "check_max_grad_norm", "clip_coefficient", "square_sum"]
+           "check_accumulation", "check_max_grad_norm", "clip_coefficient", "leaves", "square_sum"]
 
 UPDATE = "update"  # the plain fused update (no clipping, no accumulation)
 MEASURE = "measure"
@@ -69,6 +71,22 @@ def square_sum(t: torch.Tensor) -> torch.Tensor:
     return norm.square()
 
 
+def leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """Every leaf tensor a backward from `loss` accumulates a `.grad` into (its graph's AccumulateGrad nodes): what
+    `ForgeOptimizer.backward`'s second pass must not add to a second time."""
+    found, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
 def clip_coefficient(squares: torch.Tensor, grads: Iterable[torch.Tensor], max_norm: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the total norm, its clip coefficient) of the fused weights' summed squared norms `squares` (0-d float32)
@@ -77,8 +95,18 @@ def clip_coefficient(squares: torch.Tensor, grads: Iterable[torch.Tensor], max_n
     NaN norm a NaN coefficient (every clipped gradient NaN), an infinite one 0 (inf * 0 = NaN where a gradient is
     infinite, 0 elsewhere)."""
     total = squares.clone()
+    sharded = []
     for g in grads:
-        total += square_sum(g).to(total.device)
+        if tensor_parallel.is_dtensor(g) and all(p.is_shard() for p in g.placements):
+            sharded.append(g)  # FSDP2's sharded gradients: their local squares, then one all-reduce
+        else:
+            total += square_sum(g).to(total.device)
+    if sharded:
+        local = torch.zeros((), dtype=torch.float32, device=total.device)
+        for g in sharded:
+            local += square_sum(tensor_parallel.local(g)).to(local.device)
+        torch.distributed.all_reduce(local, group=sharded[0].device_mesh.get_group())
+        total += local
     norm = total.sqrt()
     return norm, torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
 

@@ -353,6 +353,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def detach(self) -> None:
         """Give every fused Linear back the forward it had (the model then trains with any optimizer); the
         parameters left are stepped from `.grad` in `step()`."""
+        for handle in self._stepper.progress.accumulated():  # the micro-batches so far become .grad, as torch's
+            weight = handle.weight_ref()
+            grad = handle.buffer.to(weight.dtype)
+            if weight.grad is not None and not _is_placeholder(weight.grad):
+                grad += weight.grad
+            weight.grad = grad if weight.grad is not None else None  # None: zero_grad() dropped them
+            handle.drop_buffer()
         installer.detach(self._stepper, self._head_installs)
         if self._shard_updates is not None:  # FSDP2: no more updates in backward, every shard stepped in step()
             self._shard_updates.remove()
@@ -427,9 +434,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 handle = progress.weights.get(p)
                 if handle is not None and handle.buffer is not None:  # accumulated, not applied in backward
-                    self._stepper.from_grad(p, handle.buffer, self._stepper.state_for(p, group, hypers), hypers)
+                    if p.grad is not None:  # else model.zero_grad() dropped the micro-batches: nothing to step
+                        self._stepper.from_grad(p, handle.buffer, self._stepper.state_for(p, group, hypers), hypers)
+                        p.grad = handle.consumed_grad()
                     handle.drop_buffer()
-                    p.grad = handle.consumed_grad()
                     continue
                 if handle is not None and handle.updated:
                     if p.grad is not None and not _is_placeholder(p.grad):
@@ -490,7 +498,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         tensor) and the coefficient min(1, c / (norm + 1e-6)) follow without a host sync. Second pass: each fused
         weight's update from its gradient times the coefficient (dW formed a slab of rows at a time, as
         autograd rounds it); the other parameters keep the first pass's `.grad`, which `step()` scales by the
-        coefficient before stepping them. A non-finite norm is not an error (`clip_grad_norm_`'s
+        coefficient before stepping them, and so does every other leaf the graph reaches (an input with
+        requires_grad): each gets its gradient once. Hooks on modules and tensors run in both passes. A non-finite norm is not an error (`clip_grad_norm_`'s
         `error_if_nonfinite=False`): a NaN norm makes every update NaN, as torch's clipping does.
 
         Without `max_grad_norm`, or with `accumulation_steps` > 1 (the norm of the accumulated gradient is taken
@@ -509,21 +518,26 @@ class ForgeOptimizer(torch.optim.Optimizer):
             loss.backward(retain_graph=True)
         except BaseException:
             progress.end_pass()
+            progress.forget_forwards()  # the batch runs again from its forward
             raise
         squares = progress.squares
-        grads = {p: p.grad for p in self._param_index if p.grad is not None and not _is_placeholder(p.grad)}
+        grads = [p.grad for p in self._param_index if p.grad is not None and not _is_placeholder(p.grad)]
         if squares is None:  # no fused weight measured (every one of them shared or unused in this forward)
             squares = torch.zeros((), dtype=torch.float32, device=loss.device)
-        norm, coefficient = grad_passes.clip_coefficient(squares, grads.values(), self.max_grad_norm)
-        for p in grads:
-            p.grad = None
+        norm, coefficient = grad_passes.clip_coefficient(squares, grads, self.max_grad_norm)
+        # every leaf the first pass gave a .grad (the optimizer's parameters, and any other: an input with
+        # requires_grad, a parameter of another optimizer) keeps the first pass's: the second adds nothing to it
+        kept = {t: t.grad for t in [*grad_passes.leaves(loss), *self._param_index]
+                if t.grad is not None and not _is_placeholder(t.grad)}
+        for t in kept:
+            t.grad = None
         progress.grad_pass, progress.grad_scale = grad_passes.SCALED, coefficient
         try:
             loss.backward()
         finally:
             progress.end_pass()
-            for p, g in grads.items():  # the first pass's: step() scales them by the coefficient
-                p.grad = g
+            for t, g in kept.items():  # the first pass's: step() scales the optimizer's by the coefficient
+                t.grad = g
         progress.clip = (norm, coefficient)
         self.last_grad_norm = norm
 
@@ -536,6 +550,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._stepper.progress.drop_accumulated()
         if self._shard_updates is not None:
             self._shard_updates.drop_accumulated()
+            for p in self._param_index:  # a shard's placeholder goes whatever set_to_none says (FSDP2 adds to it)
+                if data_parallel.is_placeholder(p.grad):
+                    p.grad = None
         super().zero_grad(set_to_none)
         if updated:
             warnings.warn(

@@ -79,12 +79,19 @@ class StepProgress:
             last = handle.micro_batches + 1 >= self.accumulation_steps
             return APPLY if last and self.max_grad_norm is None else ACCUMULATE
         if self.max_grad_norm is not None:
+            self.forget_forwards()  # refused: the batch runs again from its forward
             raise RuntimeError(
                 f"'{handle.name}': this optimizer clips by the global gradient norm (max_grad_norm="
                 f"{self.max_grad_norm:g}), which each fused update must know before it runs: call "
                 "optimizer.backward(loss) instead of loss.backward() (Hugging Face Trainer: forge_dsl.ForgeTrainer). "
                 "No weight was updated in this step: call optimizer.zero_grad() and run the batch again.")
         return UPDATE
+
+    def forget_forwards(self) -> None:
+        """Forget this step's forward counts: a backward was refused or failed before any update, and the batch
+        runs again from its forward (which would otherwise count twice and make every layer look shared)."""
+        for handle in self.weights.values():
+            handle.forward_uses = 0
 
     def add_squares(self, squares: torch.Tensor) -> None:
         """A fused weight's squared gradient norm, in the MEASURE pass."""
@@ -133,6 +140,8 @@ class StepProgress:
         weight = handle.weight_ref()
         handle.shared = handle.forward_uses > 1
         handle.bypassed = False
+        if handle.buffer is not None and weight.grad is None:  # zero_grad() dropped the accumulated micro-batches
+            handle.drop_buffer()
         if isinstance(weight.grad, ConsumedGrad):  # a step's placeholder left by a loop without zero_grad()
             weight.grad = None
         if handle.shared:
@@ -304,9 +313,11 @@ class FusedWeight:
             self.micro_batches += 1
             self.forward_uses = 0  # counted per micro-batch
             if self.progress.max_grad_norm is None:
-                weight.grad = self.consumed_grad()
+                placeholder = consumed_grad(weight, self.name)
             else:  # clipped in step(): clip_grad_norm_ before it reads the buffer's norm
-                weight.grad = ReportingGrad(weight, self.name, functools.partial(_buffer_norm, self.buffer))
+                placeholder = ReportingGrad(weight, self.name, functools.partial(_buffer_norm, weakref.ref(self)))
+            placeholder.on_zero = self.drop_buffer  # zero_grad(set_to_none=False) drops the micro-batches
+            weight.grad = placeholder
         else:
             self.close_rows()
             if sink.mode == APPLY:
@@ -394,9 +405,12 @@ def _accumulation_message(name: str, accumulation_steps: int) -> str:
     )
 
 
-def _buffer_norm(buffer: torch.Tensor) -> torch.Tensor:
-    """The 2-norm of an accumulation buffer (0-d float32)."""
-    return square_sum(buffer).sqrt()
+def _buffer_norm(handle_ref) -> torch.Tensor:
+    """The 2-norm of a fused weight's accumulation buffer as it is now (0-d float32; 0 where it was dropped)."""
+    handle = handle_ref()
+    if handle is None or handle.buffer is None:
+        return torch.zeros((), dtype=torch.float32)
+    return square_sum(handle.buffer).sqrt()
 
 
 def _dw(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

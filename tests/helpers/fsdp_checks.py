@@ -131,6 +131,24 @@ def check_second_backward_is_refused(rank, world, tmp):
         assert torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, after[name]), f"{name} moved again"
 
 
+def check_leftover_micro_batches_and_in_place_zeroing(rank, world, tmp):
+    """A step after fewer than k micro-batches (an epoch's remainder), then zero_grad(set_to_none=False): the next
+    steps count their micro-batches from 0 and equal torch's."""
+    model, ref = make_pair()
+    opt = ForgeOptimizer(model, "adamw", accumulation_steps=2, **HYPERS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPERS)
+    xs = batches(5, world)
+    for group in (xs[:1], xs[1:3], xs[3:5]):
+        for x in group:
+            loss_of(model, x[rank]).backward()
+            loss_of(ref, x.flatten(0, 1)).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=False)
+        ref_opt.zero_grad(set_to_none=False)
+    assert_matches(model, ref, "an epoch's remainder, then zero_grad(set_to_none=False)")
+
+
 def check_state_layouts(rank, world, tmp):
     """bf16 / int8 / int4 state on each shard against one process's same optimizer (fuse=False, from .grad); every
     shard whole blocks of 64 of the quantized state (a 1-D shard that splits one is refused when the optimizer is

@@ -352,3 +352,63 @@ def test_zero_grad_drops_the_accumulated_gradients():
 def test_bad_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
         ForgeOptimizer(make_mlp(), "adamw", **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Found in review: each a test that failed before its fix
+# ----------------------------------------------------------------------------
+
+
+def test_two_passes_give_every_leaf_its_gradient_once():
+    """optimizer.backward's second pass adds nothing to a leaf the first pass gave a .grad: an input with
+    requires_grad, and a parameter this optimizer does not hold."""
+    ours = make_mlp()
+    theirs = twin(ours, make_mlp)
+    opt = ForgeOptimizer(ours, "adamw", model_params=[p for n, p in ours.named_parameters() if n != "down.bias"],
+                         max_grad_norm=NEVER)
+    x, y = mlp_batches(1)[0]
+    x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    opt.backward(mlp_loss(ours, (x_ours, y)))
+    mlp_loss(theirs, (x_theirs, y)).backward()
+    torch.testing.assert_close(x_ours.grad, x_theirs.grad, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours.down.bias.grad, theirs.down.bias.grad, rtol=1e-6, atol=0)
+    opt.step()
+
+
+@pytest.mark.parametrize("how", ["detach", "model.zero_grad", "zero_grad(set_to_none=False)"])
+def test_accumulated_micro_batches_follow_torch(how):
+    """Between two micro-batches: detach() hands the accumulated gradient to .grad (then stepped from it, as torch
+    steps it); model.zero_grad() / zero_grad(set_to_none=False) drop it, as torch's zero_grad drops .grad."""
+    ours = make_mlp()
+    theirs = twin(ours, make_mlp)
+    opt = ForgeOptimizer(ours, "adamw", accumulation_steps=2, **HYPERS["adamw"])
+    ref = torch.optim.AdamW(theirs.parameters(), **HYPERS["adamw"])
+    first, second = mlp_batches(2)
+    for model in (ours, theirs):
+        (mlp_loss(model, first) / 2).backward()
+    if how == "detach":
+        opt.detach()
+    else:
+        for model in (ours, theirs):
+            model.zero_grad(set_to_none=how == "model.zero_grad")
+        if how != "model.zero_grad":
+            assert all(h.buffer is None for h in opt._handles.values())
+    for model in (ours, theirs):
+        (mlp_loss(model, second) / 2).backward()
+    opt.step()
+    ref.step()
+    assert_params_close(ours, theirs)
+
+
+def test_a_refused_backward_keeps_the_retry_fused():
+    """After a plain loss.backward() refused for max_grad_norm, the batch's forward runs again: its layers count
+    one use each, so they stay fused (not stepped from a dW in .grad as shared layers)."""
+    model = make_mlp()
+    opt = ForgeOptimizer(model, "adamw", max_grad_norm=1.0)
+    batch = mlp_batches(1)[0]
+    with pytest.raises(RuntimeError, match="optimizer.backward"):
+        mlp_loss(model, batch).backward()
+    opt.zero_grad()
+    opt.backward(mlp_loss(model, batch))
+    assert all(not h.shared and h.updated for h in opt._handles.values())
+    opt.step()

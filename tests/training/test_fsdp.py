@@ -25,7 +25,7 @@ def test_two_processes(tmp_path):
     """Plain, clipped, accumulated (k = 2, 3) and both, against torch; each shard updated inside backward; a
     second backward refused; HSDP refused."""
     run_checks(tmp_path, 2, "check_against_torch", "check_updated_in_backward", "check_second_backward_is_refused",
-               "check_two_dimensional_mesh_is_refused")
+               "check_leftover_micro_batches_and_in_place_zeroing", "check_two_dimensional_mesh_is_refused")
 
 
 @pytest.mark.slow  # 4 processes
