@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
-import traceback
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -22,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from forge_dsl import ForgeOptimizer
 from forge_dsl.training.data_parallel import is_placeholder
+import rank_checks
 
 REL = 1e-5  # the issue's bound against one process
 HYPERS = dict(lr=2e-3, weight_decay=0.1)
@@ -216,23 +214,9 @@ CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_"
 
 
 def run(rank: int, world: int, names: list, init: str, tmp: str, errors) -> None:
-    """One rank: the process group, then each check; a failure's traceback goes to `errors` (by rank)."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        for name in names:
-            CHECKS[name](rank, world, tmp)
-            dist.barrier()
-    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
+    """One rank: the process group, then each check (`rank_checks.run_on_rank`)."""
+    rank_checks.run_on_rank(CHECKS, rank, world, names, init, tmp, errors)
 
 
 if __name__ == "__main__":  # under torchrun
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo")
-    for name in sys.argv[1:]:
-        CHECKS[name](dist.get_rank(), dist.get_world_size(), os.environ.get("TMPDIR", "/tmp"))
-    dist.destroy_process_group()
+    rank_checks.main(CHECKS)

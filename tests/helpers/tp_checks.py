@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -23,6 +21,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 import forge_dsl
 from forge_dsl import ForgeOptimizer
 from forge_dsl.kernels.layouts import dequantize, layout_of
+import rank_checks
 
 SPECS = ("adamw", "nadam", "radam", "rmsprop", "adagrad", "sgd", "sgd_momentum", "lion")
 LAYOUTS = ("fp32", "bf16", "int8", "int4")
@@ -552,22 +551,9 @@ CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_"
 
 
 def run(rank: int, world: int, names: list, init: str, tmp: str, errors) -> None:
-    """One rank: the process group, then each check; a failure's traceback goes to `errors` (by rank)."""
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        for name in names:
-            CHECKS[name](rank, world, tmp)
-            dist.barrier()
-    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
+    """One rank: the process group, then each check (`rank_checks.run_on_rank`)."""
+    rank_checks.run_on_rank(CHECKS, rank, world, names, init, tmp, errors)
 
 
 if __name__ == "__main__":  # under torchrun
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo")
-    for name in sys.argv[1:]:
-        CHECKS[name](dist.get_rank(), dist.get_world_size(), os.environ.get("TMPDIR", "/tmp"))
-    dist.destroy_process_group()
+    rank_checks.main(CHECKS)

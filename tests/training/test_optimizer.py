@@ -676,19 +676,23 @@ def test_bf16_llama_int8_state_trains():
 # ----------------------------------------------------------------------------
 
 
-def run_trainer(tmp_path, model, optimizer, **args):
+def trainer_setup(tmp_path, n: int, **args):
+    """(n random token sequences as Trainer's dataset, TrainingArguments of 3 logged steps with `args`)."""
     pytest.importorskip("accelerate")
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     gen = torch.Generator().manual_seed(3)
-    data = []
-    for _ in range(8):
-        ids = torch.randint(0, 128, (16,), generator=gen)
-        data.append({"input_ids": ids, "labels": ids.clone()})
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / 4)
-    training_args = TrainingArguments(
+    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 128, (n, 16), generator=gen)]
+    return data, TrainingArguments(
         output_dir=str(tmp_path), use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
         max_steps=3, per_device_train_batch_size=2, logging_steps=1, disable_tqdm=True, seed=0, **args)
+
+
+def run_trainer(tmp_path, model, optimizer, **args):
+    from transformers import Trainer
+
+    data, training_args = trainer_setup(tmp_path, 8, **args)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / 4)
     trainer = Trainer(model=model, args=training_args, train_dataset=data, optimizers=(optimizer, scheduler))
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -705,18 +709,8 @@ def test_hf_trainer_default_clipping_fails_loudly(tmp_path):
 def run_forge_trainer(tmp_path, model, trainer_cls, **args):
     """3 steps of `trainer_cls` (Trainer or forge_dsl.ForgeTrainer) with Trainer's own optimizer and schedule;
     returns (losses, logged grad norms)."""
-    pytest.importorskip("accelerate")
-    from transformers import TrainingArguments
-
-    gen = torch.Generator().manual_seed(3)
-    data = []
-    for _ in range(12):
-        ids = torch.randint(0, 128, (16,), generator=gen)
-        data.append({"input_ids": ids, "labels": ids.clone()})
-    training_args = TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
-        max_steps=3, per_device_train_batch_size=2, logging_steps=1, disable_tqdm=True, seed=0, optim="adamw_torch",
-        learning_rate=2e-3, weight_decay=0.1, **args)
+    data, training_args = trainer_setup(tmp_path, 12, optim="adamw_torch", learning_rate=2e-3, weight_decay=0.1,
+                                        **args)
     trainer = trainer_cls(model=model, args=training_args, train_dataset=data)
     trainer.train()
     history = trainer.state.log_history

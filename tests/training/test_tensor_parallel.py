@@ -4,6 +4,7 @@ and compares them)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -14,6 +15,19 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 WORLD = 2
+
+
+@contextlib.contextmanager
+def one_process_group(tmp_path):
+    """A one-rank gloo process group (a one-rank mesh is enough to make DTensors), unless one exists."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def run_checks(tmp_path, *names: str) -> None:
@@ -58,18 +72,12 @@ def test_lm_head_loss_refuses_a_sharded_head(tmp_path):
     from forge_dsl import ForgeOptimizer
     from training_models import make_llama
 
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
+    with one_process_group(tmp_path):
         model = make_llama()
         parallelize_module(model.lm_head, init_device_mesh("cpu", (1,)), ColwiseParallel())
         with pytest.raises(ValueError, match="lm_head is sharded with tensor parallelism"):
             ForgeOptimizer(model, "adamw", lm_head_loss=True)
         assert "forward" not in model.__dict__
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("kwargs", [{"max_grad_norm": 1.0}, {"accumulation_steps": 2}])
@@ -82,16 +90,10 @@ def test_clipping_and_accumulation_are_refused_with_tensor_parallelism(tmp_path,
     from forge_dsl import ForgeOptimizer
     from training_models import make_mlp
 
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
+    with one_process_group(tmp_path):
         model = make_mlp()
         parallelize_module(model.up, init_device_mesh("cpu", (1,)), ColwiseParallel())
         with pytest.raises(ValueError, match=r"not supported with tensor parallelism yet \('up\.weight' is a DTensor\)"
                                              r".*fuse=False"):
             ForgeOptimizer(model, "adamw", **kwargs)
         assert "forward" not in model.up.__dict__
-    finally:
-        if created:
-            dist.destroy_process_group()
