@@ -15,6 +15,9 @@ and on, AdamW (lr 1e-5, torch defaults otherwise) run by:
     bnb-adamw8bit               bitsandbytes.optim.AdamW8bit   (only if bitsandbytes is installed)
     bnb-adamw8bit-in-backward   one bitsandbytes AdamW8bit per parameter, stepped by a post-accumulate-grad
                                 hook that then drops the gradient, as torch-adamw-in-backward does
+    torch-adamw-clip            torch-adamw after clip_grad_norm_(params, 1.0)  (not in the default list; with
+    forge-bf16-clip,            ForgeOptimizer(..., max_grad_norm=1.0) and optimizer.backward(loss): the
+    forge-int8-clip             norm's pass, then the clipped update (issue L's measurement))
 
 With `--offload on`, each forward runs within a `forge_dsl.OffloadActivations`: the checkpointed layers' inputs
 (and any other saved tensor of 1 MiB or more) wait for backward in pinned host memory; the table's checkpointing
@@ -86,7 +89,7 @@ from .lean_loss import causal_lm_loss_inplace
 from .model_memory import (PHASES, SavedBytes, StepMemory, instrument, materialized_grad_bytes,
                            resident_at_peak)
 from .model_methods import (ALL_METHODS, LR, METHODS, PATH_METHODS, SINGLE_GPU_METHODS, TP_METHODS,
-                            Method)
+                            Method, backward)
 from .model_report import PEAK_POOLS, peak_pools, plot, table
 from .parallel import FSDP_METHODS, Parallel, gather_row, init, local_nbytes, shard
 
@@ -280,7 +283,7 @@ def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: 
             loss = LOSS_FUNCTIONS[loss_name](model, ids)
     else:
         loss = LOSS_FUNCTIONS[loss_name](model, ids)
-    loss.backward()
+    backward(finish, loss)
     grad_bytes = materialized_grad_bytes(model)
     if meter is not None:
         meter.cut("optimizer")

@@ -1,7 +1,7 @@
 """The optimizer setups `forge-bench model` compares (its --help lists them: `forge_dsl.bench.model`'s docstring).
 
 A `Method` is a name and an `attach(model)` that builds the optimizer on the model and returns what runs after
-each `loss.backward()`; `METHODS` is the default list, `PATH_METHODS` the FORGE variants pinned to one linear
+each backward (`loss.backward()`, or the returned callable's `.backward(loss)` where it has one: FORGE's clipping); `METHODS` is the default list, `PATH_METHODS` the FORGE variants pinned to one linear
 path or with reused launches off, `ALL_METHODS` both.
 """
 
@@ -17,9 +17,11 @@ import forge_dsl
 from ..training import tensor_parallel
 from .parallel import FSDP_METHODS
 
-__all__ = ["ALL_METHODS", "LR", "METHODS", "Method", "PATH_METHODS", "SINGLE_GPU_METHODS", "TP_METHODS"]
+__all__ = ["ALL_METHODS", "LR", "MAX_GRAD_NORM", "METHODS", "Method", "PATH_METHODS", "SINGLE_GPU_METHODS", "TP_METHODS",
+           "backward"]
 
 LR = 1e-5
+MAX_GRAD_NORM = 1.0  # the *-clip methods' (Hugging Face Trainer's default)
 
 
 @dataclass(frozen=True)
@@ -34,14 +36,35 @@ class Method:
     fused_head: bool = False  # FORGE: can compute the loss without logits (ForgeOptimizer's lm_head_loss)
 
 
-def _stepper(*optimizers: torch.optim.Optimizer) -> Callable[[], None]:
+def _stepper(*optimizers: torch.optim.Optimizer, clip: Optional[list] = None) -> Callable[[], None]:
+    """Step and zero each optimizer; with `clip` (parameters), `clip_grad_norm_(clip, MAX_GRAD_NORM)` first. A
+    ForgeOptimizer with max_grad_norm gives the step its backward (`finish.backward`)."""
     def finish():
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(clip, MAX_GRAD_NORM)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
     finish.optimizer = optimizers[0]
+    if getattr(optimizers[0], "max_grad_norm", None) is not None:
+        finish.backward = optimizers[0].backward
     return finish
+
+
+def backward(finish: Callable[[], None], loss: torch.Tensor) -> None:
+    """A step's backward: the method's own (`finish.backward`, FORGE's clipping), else `loss.backward()`."""
+    own = getattr(finish, "backward", None)
+    if own is not None:
+        own(loss)
+    else:
+        loss.backward()
+
+
+def _torch_adamw_clip(model):
+    """torch AdamW(fused=True) after clip_grad_norm_(MAX_GRAD_NORM): the recipe FORGE's clipping is timed against."""
+    params = list(model.parameters())
+    return _stepper(torch.optim.AdamW(params, lr=LR, fused=True), clip=params)
 
 
 def _torch_adamw(model):
@@ -89,10 +112,11 @@ def _bnb_adamw8bit_in_backward(model):
     return _in_backward(model, lambda params: bitsandbytes.optim.AdamW8bit(params, lr=LR))
 
 
-def _forge(state_dtype: str, linear_path: str = "auto"):
+def _forge(state_dtype: str, linear_path: str = "auto", max_grad_norm: Optional[float] = None):
     def attach(model, head: bool = False):
         return _stepper(forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=state_dtype, lr=LR,
-                                                 linear_path=linear_path, lm_head_loss=head))
+                                                 linear_path=linear_path, lm_head_loss=head,
+                                                 max_grad_norm=max_grad_norm))
 
     return attach
 
@@ -141,6 +165,10 @@ TP_METHODS = ["forge-bf16", "forge-int8", "forge-int4", "torch-adamw", *FSDP_MET
 # Not in the default list: FORGE with every linear layer's update on one path, to compare the paths
 # that `linear_path="auto"` chooses between; and FORGE without reused launches, to measure them.
 PATH_METHODS = {m.name: m for m in (
+    # global-norm clipping at MAX_GRAD_NORM (issue L): FORGE's two backward passes against torch's clip_grad_norm_
+    Method("torch-adamw-clip", _torch_adamw_clip),
+    Method("forge-bf16-clip", _forge("bf16", max_grad_norm=MAX_GRAD_NORM), fused_head=True),
+    Method("forge-int8-clip", _forge("int8", max_grad_norm=MAX_GRAD_NORM), fused_head=True),
     *(Method(f"forge-{state}-{path}", _forge(state, path), fused_head=True)
       for state in ("bf16", "int8") for path in ("fused", "slab")),
     *(Method(f"forge-{state}-checked", _forge_checked(state), fused_head=True) for state in ("bf16", "int8")),

@@ -38,6 +38,7 @@ import torch
 
 from ..kernels import reuse
 from .common import format_table, free_memory, synchronize
+from .model_methods import backward
 
 __all__ = ["KINDS", "PHASES", "Anatomy", "anatomy_table", "kernel_kind", "main", "measure_anatomy", "union_us"]
 
@@ -190,7 +191,7 @@ def _cut_step(model, ids, finish: Callable[[], None], loss_fn, device: torch.dev
         loss = loss_fn(model, ids)
         synchronize(device)
     with torch.profiler.record_function("anatomy::backward"):
-        loss.backward()
+        backward(finish, loss)
         synchronize(device)
     with torch.profiler.record_function("anatomy::optimizer"):
         finish()

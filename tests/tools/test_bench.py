@@ -983,3 +983,30 @@ def test_replot_redraws_a_committed_record(tmp_path, name):
     png = copy_path.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table.count("\n") >= len(json.loads(source.read_text())["rows"]) + 1  # a header, a rule, a line a row
+
+
+def test_model_clip_methods_clip_as_torch():
+    """forge-bf16-clip runs optimizer.backward (two passes) and clips at MAX_GRAD_NORM: on the fp32 tiny model its
+    norm is torch-adamw-clip's (clip_grad_norm_ before AdamW(fused)), above the threshold at every step, and two
+    steps end where torch's do (the clipping's exactness: tests/training/test_clipping_accumulation.py)."""
+    from forge_dsl.bench import model_methods
+
+    net = tiny_bench_model(seed=5).float()
+    reference = copy.deepcopy(net)
+    forge = model.ALL_METHODS["forge-bf16-clip"].attach(net)
+    ref = model.ALL_METHODS["torch-adamw-clip"].attach(reference)
+    opt = forge.optimizer
+    assert opt.max_grad_norm == model_methods.MAX_GRAD_NORM and forge.backward == opt.backward
+    try:
+        for step in range(2):
+            ids = tiny_ids(seed=20 + step)
+            model.train_step(net, ids, forge, "transformers")
+            reference(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+            ref()  # clip_grad_norm_, then the step
+            assert opt.last_grad_norm.item() == pytest.approx(norm.item(), rel=1e-6)
+            assert norm.item() > model_methods.MAX_GRAD_NORM
+        for (n, p), p_ref in zip(net.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-7, msg=n)
+    finally:
+        opt.detach()
