@@ -157,8 +157,9 @@ def quantized_sharding_refusal(p: torch.Tensor, layouts: Sequence[StateLayout], 
         if not placement.is_shard():
             continue
         dim = placement.dim % p.dim()
-        fix = (" Choose a tensor-parallel degree that cuts it into multiples of 64 columns, or build the optimizer "
-               "with state_dtype 'bf16' or 'fp32' (or a dict naming those for its quantized states).")
+        fix = (" Choose a sharding degree (the tensor-parallel or FSDP2 mesh's size) that cuts it into multiples of 64 "
+               "columns, or build the optimizer with state_dtype 'bf16' or 'fp32' (or a dict naming those for its "
+               "quantized states).")
         if dim != last and not (dim == 0 and p.dim() == 2):
             return (f"'{name}' is sharded along dim {dim} of its {p.dim()} dims, which int8 / int4 state cannot "
                     "follow: its block scales cover rows of the last dim flattened across the leading dims." + fix)

@@ -162,6 +162,18 @@ def check_state_layouts(rank, world, tmp):
             assert_matches(model, ref, f"{layout} state, max_grad_norm={max_norm}, accumulation_steps={k}")
 
 
+def check_quantized_state_that_a_shard_would_split_is_refused(rank, world, tmp):
+    """int8 state of a bias FSDP2 cuts into 48-column shards (96 on 2 ranks): a block of 64 split, refused when the
+    optimizer is built, naming the FSDP2 mesh's size and the fp32 / bf16 alternative; bf16 state accepted."""
+    model, _ = make_pair(hidden=48 * world)
+    try:
+        ForgeOptimizer(model, "adamw", state_dtype="int8")
+        raise AssertionError("int8 state split by an FSDP2 shard was not refused")
+    except ValueError as e:
+        assert "splits a block" in str(e) and "FSDP2 mesh's size" in str(e) and "'bf16'" in str(e), e
+    ForgeOptimizer(model, "adamw", state_dtype="bf16")
+
+
 def check_dcp_round_trip(rank, world, tmp):
     """state_dict() holds DTensor states (torch's exp_avg, exp_avg_sq where whole); torch.distributed.checkpoint
     saves them sharded and a new optimizer loaded from it continues as the saving one does."""

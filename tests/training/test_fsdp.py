@@ -35,5 +35,7 @@ def test_four_processes(tmp_path):
 
 @pytest.mark.slow
 def test_state_layouts_and_checkpoints(tmp_path):
-    """bf16 / int8 / int4 state per shard, and a sharded state dict through torch.distributed.checkpoint."""
-    run_checks(tmp_path, 2, "check_state_layouts", "check_dcp_round_trip")
+    """bf16 / int8 / int4 state per shard (a shard that would split a block refused), and a sharded state dict
+    through torch.distributed.checkpoint."""
+    run_checks(tmp_path, 2, "check_state_layouts", "check_quantized_state_that_a_shard_would_split_is_refused",
+               "check_dcp_round_trip")
