@@ -18,6 +18,9 @@ and on, AdamW (lr 1e-5, torch defaults otherwise) run by:
     torch-adamw-clip            torch-adamw after clip_grad_norm_(params, 1.0)  (not in the default list; with
     forge-bf16-clip,            ForgeOptimizer(..., max_grad_norm=1.0) and optimizer.backward(loss): the
     forge-int8-clip             norm's pass, then the clipped update (issue L's measurement))
+    torch-adamw-accum2          torch-adamw after 2 micro-batches (forward, backward of loss / 2) summed in .grad;
+    forge-bf16-accum2,          ForgeOptimizer(..., accumulation_steps=2) with an fp32 / bf16 buffer: the 2nd
+    forge-bf16-accum2-bf16      backward updates (not in the default list; a row's step is both micro-batches)
 
 With `--offload on`, each forward runs within a `forge_dsl.OffloadActivations`: the checkpointed layers' inputs
 (and any other saved tensor of 1 MiB or more) wait for backward in pinned host memory; the table's checkpointing
@@ -89,7 +92,7 @@ from .lean_loss import causal_lm_loss_inplace
 from .model_memory import (PHASES, SavedBytes, StepMemory, instrument, materialized_grad_bytes,
                            resident_at_peak)
 from .model_methods import (ALL_METHODS, LR, METHODS, PATH_METHODS, SINGLE_GPU_METHODS, TP_METHODS,
-                            Method, backward)
+                            Method, backward, micro_batches)
 from .model_report import PEAK_POOLS, peak_pools, plot, table
 from .parallel import FSDP_METHODS, Parallel, gather_row, init, local_nbytes, shard
 
@@ -273,17 +276,20 @@ LOSS_FUNCTIONS = {**LOSSES, FUSED_HEAD: LOSSES["transformers"]}
 
 def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: str,
                meter: Optional[StepMemory] = None, offload: Optional[OffloadActivations] = None) -> int:
-    """Forward (within `offload` when given), backward, optimizer; returns the bytes of gradients materialized at
-    the end of backward. With a `meter`, the step's phases are cut at its start, after backward and at its end
+    """Forward (within `offload` when given) and backward, once per micro-batch of the method (`micro_batches`:
+    the loss divided by their number where more than one), then the optimizer; returns the bytes of gradients
+    materialized at the end of the last backward. With a `meter`, the step's phases are cut at its start, after backward and at its end
     (the model's hooks from `instrument` cut the rest)."""
     if meter is not None:
         meter.cut("forward")
-    if offload is not None:
-        with offload:
+    passes = micro_batches(finish)
+    for _ in range(passes):
+        if offload is not None:
+            with offload:
+                loss = LOSS_FUNCTIONS[loss_name](model, ids)
+        else:
             loss = LOSS_FUNCTIONS[loss_name](model, ids)
-    else:
-        loss = LOSS_FUNCTIONS[loss_name](model, ids)
-    backward(finish, loss)
+        backward(finish, loss / passes if passes > 1 else loss)
     grad_bytes = materialized_grad_bytes(model)
     if meter is not None:
         meter.cut("optimizer")

@@ -1,8 +1,10 @@
 """The optimizer setups `forge-bench model` compares (its --help lists them: `forge_dsl.bench.model`'s docstring).
 
 A `Method` is a name and an `attach(model)` that builds the optimizer on the model and returns what runs after
-each backward (`loss.backward()`, or the returned callable's `.backward(loss)` where it has one: FORGE's clipping); `METHODS` is the default list, `PATH_METHODS` the FORGE variants pinned to one linear
-path or with reused launches off, `ALL_METHODS` both.
+each backward (`loss.backward()`, or the returned callable's `.backward(loss)` where it has one: FORGE's
+clipping), with the step's number of micro-batches (`micro_batches`: the *-accum methods run forward and backward
+that many times a step); `METHODS` is the default list, `PATH_METHODS` the FORGE variants pinned to one linear
+path or with reused launches off, and issue L's clipping and accumulation, `ALL_METHODS` both.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import forge_dsl
 from ..training import tensor_parallel
 from .parallel import FSDP_METHODS
 
-__all__ = ["ALL_METHODS", "LR", "MAX_GRAD_NORM", "METHODS", "Method", "PATH_METHODS", "SINGLE_GPU_METHODS", "TP_METHODS",
-           "backward"]
+__all__ = ["ACCUMULATION_STEPS", "ALL_METHODS", "LR", "MAX_GRAD_NORM", "METHODS", "Method", "PATH_METHODS",
+           "SINGLE_GPU_METHODS", "TP_METHODS", "backward", "micro_batches"]
 
 LR = 1e-5
 MAX_GRAD_NORM = 1.0  # the *-clip methods' (Hugging Face Trainer's default)
+ACCUMULATION_STEPS = 2  # the *-accum2 methods' micro-batches a step
 
 
 @dataclass(frozen=True)
@@ -36,9 +39,11 @@ class Method:
     fused_head: bool = False  # FORGE: can compute the loss without logits (ForgeOptimizer's lm_head_loss)
 
 
-def _stepper(*optimizers: torch.optim.Optimizer, clip: Optional[list] = None) -> Callable[[], None]:
+def _stepper(*optimizers: torch.optim.Optimizer, clip: Optional[list] = None, micro_batches: int = 1) \
+        -> Callable[[], None]:
     """Step and zero each optimizer; with `clip` (parameters), `clip_grad_norm_(clip, MAX_GRAD_NORM)` first. A
-    ForgeOptimizer with max_grad_norm gives the step its backward (`finish.backward`)."""
+    ForgeOptimizer with max_grad_norm gives the step its backward (`finish.backward`); `micro_batches` backward
+    calls precede each step."""
     def finish():
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(clip, MAX_GRAD_NORM)
@@ -47,6 +52,7 @@ def _stepper(*optimizers: torch.optim.Optimizer, clip: Optional[list] = None) ->
             opt.zero_grad(set_to_none=True)
 
     finish.optimizer = optimizers[0]
+    finish.micro_batches = micro_batches
     if getattr(optimizers[0], "max_grad_norm", None) is not None:
         finish.backward = optimizers[0].backward
     return finish
@@ -59,6 +65,17 @@ def backward(finish: Callable[[], None], loss: torch.Tensor) -> None:
         own(loss)
     else:
         loss.backward()
+
+
+def micro_batches(finish: Callable[[], None]) -> int:
+    """How many forward and backward passes a step of the method `finish` came from runs before `finish()`."""
+    return getattr(finish, "micro_batches", 1)
+
+
+def _torch_adamw_accum(model):
+    """torch AdamW(fused=True) after ACCUMULATION_STEPS backward calls summed into the bf16 .grad: the recipe
+    FORGE's accumulation is timed against."""
+    return _stepper(torch.optim.AdamW(model.parameters(), lr=LR, fused=True), micro_batches=ACCUMULATION_STEPS)
 
 
 def _torch_adamw_clip(model):
@@ -112,11 +129,17 @@ def _bnb_adamw8bit_in_backward(model):
     return _in_backward(model, lambda params: bitsandbytes.optim.AdamW8bit(params, lr=LR))
 
 
-def _forge(state_dtype: str, linear_path: str = "auto", max_grad_norm: Optional[float] = None):
+def _forge(state_dtype: str, linear_path: str = "auto", max_grad_norm: Optional[float] = None,
+           accumulation_dtype: Optional[str] = None):
+    """FORGE AdamW; with `accumulation_dtype`, ACCUMULATION_STEPS micro-batches a step into a buffer of it."""
+    k = ACCUMULATION_STEPS if accumulation_dtype else 1
+
     def attach(model, head: bool = False):
         return _stepper(forge_dsl.ForgeOptimizer(model, "adamw", state_dtype=state_dtype, lr=LR,
                                                  linear_path=linear_path, lm_head_loss=head,
-                                                 max_grad_norm=max_grad_norm))
+                                                 max_grad_norm=max_grad_norm, accumulation_steps=k,
+                                                 accumulation_dtype=accumulation_dtype or "fp32"),
+                        micro_batches=k)
 
     return attach
 
@@ -169,6 +192,11 @@ PATH_METHODS = {m.name: m for m in (
     Method("torch-adamw-clip", _torch_adamw_clip),
     Method("forge-bf16-clip", _forge("bf16", max_grad_norm=MAX_GRAD_NORM), fused_head=True),
     Method("forge-int8-clip", _forge("int8", max_grad_norm=MAX_GRAD_NORM), fused_head=True),
+    # gradient accumulation over ACCUMULATION_STEPS micro-batches (issue L): FORGE's fp32 / bf16 buffer against
+    # torch's bf16 .grad sums
+    Method("torch-adamw-accum2", _torch_adamw_accum),
+    Method("forge-bf16-accum2", _forge("bf16", accumulation_dtype="fp32"), fused_head=True),
+    Method("forge-bf16-accum2-bf16", _forge("bf16", accumulation_dtype="bf16"), fused_head=True),
     *(Method(f"forge-{state}-{path}", _forge(state, path), fused_head=True)
       for state in ("bf16", "int8") for path in ("fused", "slab")),
     *(Method(f"forge-{state}-checked", _forge_checked(state), fused_head=True) for state in ("bf16", "int8")),

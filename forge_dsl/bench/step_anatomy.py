@@ -38,7 +38,7 @@ import torch
 
 from ..kernels import reuse
 from .common import format_table, free_memory, synchronize
-from .model_methods import backward
+from .model_methods import backward, micro_batches
 
 __all__ = ["KINDS", "PHASES", "Anatomy", "anatomy_table", "kernel_kind", "main", "measure_anatomy", "union_us"]
 
@@ -157,6 +157,9 @@ def measure_anatomy(method_name: str, model_name: str, seq: int, device: torch.d
         bench_model.enable_checkpointing(model)
     finish, loss_name, runner = bench_model.attach(model, method, settings, compiled)
     try:
+        if micro_batches(finish) > 1:
+            raise ValueError(f"{method_name} runs {micro_batches(finish)} micro-batches a step, which the anatomy "
+                             "cannot cut into one forward and one backward: time it with forge-bench model")
         ids = bench_model.token_ids(model, seq, device)
         loss_fn = bench_model.LOSS_FUNCTIONS[loss_name]
         for _ in range(warmup):

@@ -1010,3 +1010,32 @@ def test_model_clip_methods_clip_as_torch():
             torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-7, msg=n)
     finally:
         opt.detach()
+
+
+def test_model_accumulation_methods_accumulate_as_torch():
+    """forge-bf16-accum2 (fp32 buffer) runs ACCUMULATION_STEPS forward and backward passes of loss / k per step,
+    the last of which updates: on the fp32 tiny model two steps end where torch-adamw-accum2's do (.grad summed
+    over the same micro-batches, then AdamW(fused)); the anatomy refuses the method (it cuts one backward)."""
+    from forge_dsl.bench import model_methods, step_anatomy
+
+    net = tiny_bench_model(seed=6).float()
+    reference = copy.deepcopy(net)
+    forge = model.ALL_METHODS["forge-bf16-accum2"].attach(net)
+    ref = model.ALL_METHODS["torch-adamw-accum2"].attach(reference)
+    opt = forge.optimizer
+    k = model_methods.ACCUMULATION_STEPS
+    assert k > 1 and opt.accumulation_steps == k and model_methods.micro_batches(ref) == k
+    try:
+        for step in range(2):
+            ids = tiny_ids(seed=30 + step)
+            model.train_step(net, ids, forge, "transformers")
+            model.train_step(reference, ids, ref, "transformers")
+        start = tiny_bench_model(seed=6).float()
+        assert all(not torch.equal(p, q) for p, q in zip(net.parameters(), start.parameters()))
+        for (n, p), p_ref in zip(net.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-7, msg=n)
+    finally:
+        opt.detach()
+    with pytest.raises(ValueError, match="micro-batches a step"):
+        step_anatomy.measure_anatomy("forge-bf16-accum2", "tiny-llama", 8, torch.device("cpu"), checkpointing=False,
+                                     compiled=False, warmup=0, steps=1)
