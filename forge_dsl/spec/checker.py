@@ -26,8 +26,8 @@ from typing import Iterator, Optional
 
 from . import ir
 from .errors import Loc, SpecError, did_you_mean
-from .names import (API_KEYWORDS, BUILTIN_FUNCTIONS, BUILTIN_VALUES, COLLIDING_NAMES, REDUCTIONS,
-                    RESERVED_NAMES, SCHEDULER_KEYS)
+from .names import (API_KEYWORDS, BUILTIN_FUNCTIONS, BUILTIN_VALUES, COLLIDING_NAMES, NOT_ELEMENT_WISE_HINT,
+                    REDUCTIONS, RESERVED_NAMES, SCHEDULER_KEYS)
 from .nonneg import check_nonneg
 from .printer import print_expr
 from .scalar_ops import fp32
@@ -45,12 +45,6 @@ from .variants import (
 
 __all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "Level", "MAX_FLAGS", "RESERVED_NAMES", "Type",
            "check_spec"]
-
-_REDUCTION_HINT = (
-    "FORGE updates each tile while its gradient is in registers, before other tiles exist; compute a norm "
-    "or sum outside the optimizer and pass it as a hyperparameter each step"
-)
-
 
 MAX_FLAGS = 8
 
@@ -381,7 +375,7 @@ class _Checker:
                 f"'.{name}()' is a reduction, and reductions are not element-wise: an element's update may read "
                 "only its own param, grad and state",
                 expr.loc,
-                hint=_REDUCTION_HINT,
+                hint=NOT_ELEMENT_WISE_HINT,
             )
         if name in BUILTIN_FUNCTIONS:
             raise self.error(
@@ -441,7 +435,7 @@ class _Checker:
                     f"'{func}' combines several elements and is not element-wise; "
                     "an element's update may read only its own param, grad and state",
                     expr.func_loc,
-                    hint=_REDUCTION_HINT,
+                    hint=NOT_ELEMENT_WISE_HINT,
                 )
             if func in self.symbols or func in env:
                 raise self.error(f"'{func}' is not a function", expr.func_loc)

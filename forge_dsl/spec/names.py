@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import keyword
 
-__all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "COLLIDING_NAMES", "REDUCTIONS", "RESERVED_NAMES",
+__all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "COLLIDING_NAMES", "NOT_ELEMENT_WISE_HINT", "REDUCTIONS", "RESERVED_NAMES",
            "SCHEDULER_KEYS"]
 
 # name -> number of arguments
@@ -30,12 +30,25 @@ BUILTIN_FUNCTIONS = {
     "stored": 1,  # per element whatever its argument (ir.ELEMENT_FUNCTIONS)
 }
 
-# Functions a user may reach for that combine several elements.
+# Functions a user may reach for that combine several elements (the matrix functions of Muon and Shampoo and the
+# row / column statistics of Adafactor among them).
 REDUCTIONS = {
     "sum", "mean", "norm", "prod", "dot", "std", "var", "amax", "amin", "argmax", "argmin",
     "cumsum", "cumprod", "matmul", "mm", "numel", "size", "softmax", "logsumexp", "median",
     "topk", "sort", "roll", "shift", "outer", "trace", "any", "all", "count",
+    "rms", "rowmean", "colmean", "rowsum", "colsum", "orthogonalize", "newton_schulz", "zeropower", "svd", "qr",
+    "inverse", "eigh", "transpose",
 }
+
+# What a spec that reaches for a reduction or a matrix product is told (the checker's and the parser's hint).
+NOT_ELEMENT_WISE_HINT = (
+    "the update runs inside backward on each tile of the weight while its gradient is in registers, before the "
+    "weight's other tiles exist, so nothing computed over the whole tensor can reach it (nor a hyperparameter "
+    "computed from this step's gradient: the update has run before step()). Clipping by the global norm: "
+    "ForgeOptimizer(..., max_grad_norm=c) around any spec. LAMB, LARS, Adafactor, Muon, Shampoo: not expressible "
+    "(docs/LANGUAGE.md section 9); train with torch.optim's optimizer (torch.optim.Adafactor, torch.optim.Muon) "
+    "stepping from .grad"
+)
 
 BUILTIN_VALUES = ("param", "grad", "step")
 

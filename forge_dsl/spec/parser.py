@@ -18,6 +18,7 @@ from lark import Lark, Token, Transformer, v_args
 
 from . import ir
 from .errors import BIDI_CONTROLS, HIDING_CHARACTERS, Loc, SpecError, character_name
+from .names import NOT_ELEMENT_WISE_HINT
 
 __all__ = ["parse_spec", "grammar_text"]
 
@@ -166,6 +167,9 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) 
             if bad is not None:
                 return _string_character_error(path, source, bad)
         loc = Loc(path, line, col, line, col + 1)
+        if char == "@":
+            return SpecError("syntax error: '@' (a matrix product) is not in the language: an element's update reads "
+                             "only its own param, grad and state", loc, source, NOT_ELEMENT_WISE_HINT)
         hint = 'a string is written "like this", on one line and without backslashes' if char == '"' else None
         return SpecError(f"syntax error: unexpected character {_shown_character(char)}", loc, source,
                          hint or _pasted_character_hint(char))
