@@ -188,8 +188,12 @@ def add_arguments(ap) -> None:
                          "(default: 3 on CUDA, 1 on the CPU)")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="shard each model over N GPUs of this host, run under torchrun --nproc-per-node N: "
-                         "tensor parallelism, or FSDP2 for fsdp2-torch-adamw (forge_dsl/bench/parallel.py; default "
+                         "tensor parallelism, or FSDP2 for the fsdp2-* methods (forge_dsl/bench/parallel.py; default "
                          f"1; default methods with N > 1: {','.join(TP_METHODS)})")
+    ap.add_argument("--fsdp", type=int, metavar="N",
+                    help="FSDP2 data parallelism over N GPUs of this host, run under torchrun --nproc-per-node N: "
+                         f"the fsdp2-* methods alone (default methods: {','.join(FSDP_METHODS)}), each rank its own "
+                         "sequence")
 
 
 def _choose(text: Optional[str], default: list[str], known, what: str) -> list[str]:
@@ -204,14 +208,23 @@ def resolve_settings(args, device: torch.device) -> dict:
     cpu = device.type != "cuda"
     models = _choose(args.models, ["tiny-llama"] if cpu else
                      (["llama3.1-8b-2layers"] if args.quick else FULL_MODELS), MODELS, "models")
-    tp = getattr(args, "tp", 1)
+    tp, fsdp = getattr(args, "tp", 1), getattr(args, "fsdp", None)
     if tp < 1:
         raise UsageError(f"--tp must be at least 1, got {tp}")
-    methods = _choose(args.methods, ["torch-adamw", "forge-bf16"] if args.quick else
+    if fsdp is not None:
+        if tp != 1:
+            raise UsageError("--tp N and --fsdp N both set the ranks a model is sharded over: give one")
+        if fsdp < 2:
+            raise UsageError(f"--fsdp must be at least 2, got {fsdp}")
+        tp = fsdp
+    methods = _choose(args.methods, list(FSDP_METHODS) if fsdp else ["torch-adamw", "forge-bf16"] if args.quick else
                       (TP_METHODS if tp > 1 else SINGLE_GPU_METHODS), ALL_METHODS, "methods")
     if tp == 1 and any(m in FSDP_METHODS for m in methods):
-        raise UsageError(f"{', '.join(FSDP_METHODS)} shard the model over several GPUs: run them with --tp N (N > 1) "
-                         "under torchrun")
+        raise UsageError(f"{', '.join(FSDP_METHODS)} shard the model over several GPUs: run them with --fsdp N "
+                         "(N > 1) under torchrun")
+    if fsdp and any(m not in FSDP_METHODS for m in methods):
+        raise UsageError(f"--fsdp {fsdp} runs the FSDP2 methods ({', '.join(FSDP_METHODS)}); "
+                         f"{', '.join(m for m in methods if m not in FSDP_METHODS)} run with --tp N or on one GPU")
     try:
         seqs = [int(s) for s in args.seq.split(",")] if args.seq else \
             ([32] if cpu else ([512] if args.quick else [512, 2048]))
@@ -227,6 +240,7 @@ def resolve_settings(args, device: torch.device) -> dict:
             "compile": [False, True] if args.compile == "both" else [args.compile == "on"],
             "loss": args.loss, "forge_head": args.forge_head == "on", "warmup_steps": args.warmup,
             "measured_steps": args.steps, "rounds": rounds, "lr": LR, "dtype": "bf16", "tp": tp,
+            "ranks_option": "--fsdp" if fsdp else "--tp",
             "dims": {m: MODELS[m][1] for m in models}}
 
 
@@ -441,7 +455,7 @@ def run(args, argv: list[str], device: torch.device) -> tuple[Optional[Results],
     settings = resolve_settings(args, device)
     parallel = None
     if settings["tp"] > 1:
-        parallel, device = init(settings["tp"], device)
+        parallel, device = init(settings["tp"], device, settings.get("ranks_option", "--tp"))
     lead = parallel is None or parallel.rank == 0
     results = Results("model", argv, args.out, args.quick, device, settings) if lead else None
     configs = list(itertools.product(settings["models"], settings["seq"], settings["checkpointing"],

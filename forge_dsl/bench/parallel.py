@@ -40,21 +40,22 @@ class Parallel:
         self.rank, self.world, self.mesh = rank, world, mesh
 
 
-def init(tp: int, device: torch.device) -> tuple[Parallel, torch.device]:
+def init(tp: int, device: torch.device, option: str = "--tp") -> tuple[Parallel, torch.device]:
     """Join torchrun's process group (NCCL on GPUs, gloo on the CPU) and make the mesh; this rank's device.
 
-    Raises SystemExit where the run was not started by torchrun with N = `tp` processes."""
+    Raises SystemExit where the run was not started by torchrun with N = `tp` processes (the message names the
+    command line's `option`, --tp or --fsdp)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if world != tp:
-        raise SystemExit(f"--tp {tp} runs under torchrun with {tp} processes (torchrun --nproc-per-node {tp} -m "
-                         f"forge_dsl.bench model --tp {tp} ...); this process sees WORLD_SIZE={world or 'unset'}")
+        raise SystemExit(f"{option} {tp} runs under torchrun with {tp} processes (torchrun --nproc-per-node {tp} -m "
+                         f"forge_dsl.bench model {option} {tp} ...); this process sees WORLD_SIZE={world or 'unset'}")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         if torch.cuda.device_count() < world:
-            raise SystemExit(f"--tp {tp}: this host has {torch.cuda.device_count()} GPUs")
+            raise SystemExit(f"{option} {tp}: this host has {torch.cuda.device_count()} GPUs")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():

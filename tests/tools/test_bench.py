@@ -745,6 +745,31 @@ def test_model_tp_runs_under_torchrun_on_two_processes(tmp_path):
     assert done.stdout.count("wrote ") == 2  # rank 0 alone reports
 
 
+@pytest.mark.slow
+def test_model_fsdp_runs_under_torchrun_on_two_processes(tmp_path):
+    """`forge-bench model --fsdp 2` under torchrun (gloo, the interpreter): FORGE with each shard updated in backward
+    and torch AdamW over the sharded gradients, each rank its own sequence, rank 0 writing a row per method."""
+    import os
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "-m", "forge_dsl.bench", "model", "--fsdp", "2", "--device", "cpu", "--models",
+           "tiny-llama", "--methods", "fsdp2-forge-bf16,fsdp2-torch-adamw", "--seq", "16", "--warmup", "1",
+           "--steps", "1", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (json_path,) = tmp_path.glob("model-*.json")
+    rows = {r["method"]: r for r in json.loads(json_path.read_text())["rows"]}
+    assert list(rows) == ["fsdp2-forge-bf16", "fsdp2-torch-adamw"]
+    for r in rows.values():
+        assert r["status"] == "ok" and r["sharding"] == "fsdp2" and r["tokens"] == 32, r
+        assert r["step_ms"] > 0 and len(r["peak_gib_ranks"]) == 2
+
+
 def test_bad_options_are_one_line_errors(tmp_path):
     with pytest.raises(SystemExit, match="unknown shape 'llama9'"):
         main(["kernel", *CPU, "--out", str(tmp_path), "--shapes", "llama9"])
@@ -752,10 +777,18 @@ def test_bad_options_are_one_line_errors(tmp_path):
         main(["kernel", *CPU, "--out", str(tmp_path), "--specs", "adamx"])
     with pytest.raises(SystemExit, match="unknown methods"):
         main(["model", *CPU, "--out", str(tmp_path), "--methods", "sgd"])
-    with pytest.raises(SystemExit, match="run them with --tp N"):
+    with pytest.raises(SystemExit, match="run them with --fsdp N"):
         main(["model", *CPU, "--out", str(tmp_path), "--methods", "fsdp2-torch-adamw"])
     with pytest.raises(SystemExit, match="runs under torchrun with 2 processes"):
         main(["model", *CPU, "--out", str(tmp_path), "--tp", "2"])
+    with pytest.raises(SystemExit, match=r"--fsdp 2 runs under torchrun with 2 processes .* model --fsdp 2"):
+        main(["model", *CPU, "--out", str(tmp_path), "--fsdp", "2"])
+    with pytest.raises(SystemExit, match="forge-bf16 run with --tp N or on one GPU"):
+        main(["model", *CPU, "--out", str(tmp_path), "--fsdp", "2", "--methods", "fsdp2-forge-bf16,forge-bf16"])
+    with pytest.raises(SystemExit, match="give one"):
+        main(["model", *CPU, "--out", str(tmp_path), "--fsdp", "2", "--tp", "2"])
+    with pytest.raises(SystemExit, match="--fsdp must be at least 2"):
+        main(["model", *CPU, "--out", str(tmp_path), "--fsdp", "1"])
     with pytest.raises(SystemExit, match="--timing graph needs a CUDA device"):
         main(["kernel", *CPU, "--out", str(tmp_path), "--timing", "graph"])
 
