@@ -292,8 +292,8 @@ def train_step(model, ids: torch.Tensor, finish: Callable[[], None], loss_name: 
                meter: Optional[StepMemory] = None, offload: Optional[OffloadActivations] = None) -> int:
     """Forward (within `offload` when given) and backward, once per micro-batch of the method (`micro_batches`:
     the loss divided by their number where more than one), then the optimizer; returns the bytes of gradients
-    materialized at the end of the last backward. With a `meter`, the step's phases are cut at its start, after backward and at its end
-    (the model's hooks from `instrument` cut the rest)."""
+    materialized at the end of the last backward. With a `meter`, the step's phases are cut at its start, after
+    backward and at its end (the model's hooks from `instrument` cut the rest)."""
     if meter is not None:
         meter.cut("forward")
     passes = micro_batches(finish)

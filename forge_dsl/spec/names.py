@@ -1,13 +1,13 @@
 """The names the language gives a meaning or keeps from specs: its built-in functions and values, the
-reductions it refuses, and the names reserved because Python, Triton, the generated code, the Python API or
+reductions it refuses (and the hint it gives for them), and the names reserved because Python, Triton, the generated code, the Python API or
 torch's schedulers would take them (docs/LANGUAGE.md, section 10). The checker enforces them."""
 
 from __future__ import annotations
 
 import keyword
 
-__all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "COLLIDING_NAMES", "NOT_ELEMENT_WISE_HINT", "REDUCTIONS", "RESERVED_NAMES",
-           "SCHEDULER_KEYS"]
+__all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "COLLIDING_NAMES", "NOT_ELEMENT_WISE_HINT",
+           "REDUCTIONS", "RESERVED_NAMES", "SCHEDULER_KEYS"]
 
 # name -> number of arguments
 BUILTIN_FUNCTIONS = {
