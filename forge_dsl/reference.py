@@ -13,8 +13,10 @@ from typing import Any, Mapping, MutableMapping, Optional, Union
 
 import torch
 
+from .barriers import apply_barrier
 from .compiler.lowering import Lowered, Operand, lower
 from .spec import ir
+from .spec.phases import barrier_arguments, is_phased, plan
 from .spec.keywords import StepConfig, check_step, resolve_hypers
 from .spec.loading import load_spec
 from .spec.scalar_ops import apply_scalar_op
@@ -188,6 +190,9 @@ def reference_step(
     """
     spec = load_spec(spec)
     cfg = resolve_hypers(spec, hypers, caller="reference_step")
+    if is_phased(spec):
+        _phased_step(spec, cfg, param, grad, state, step=step, weight_dtype=weight_dtype)
+        return
     low = lower(spec, cfg.combo)
     step = check_step(step)
     if weight_dtype is None:
@@ -246,3 +251,26 @@ def reference_step(
         (param if target == "param" else state[target]).copy_(v)
     for name, v in scalar_updates(low, host).items():
         state[name].fill_(v)
+
+
+def _phased_step(spec: ir.Spec, cfg, param: torch.Tensor, grad: torch.Tensor, state: MutableMapping[str, torch.Tensor],
+                 *, step: int, weight_dtype: Optional[torch.dtype]) -> None:
+    """`reference_step` of a spec split into phases (`spec.phases.plan`): the tile phase's reference step, with its
+    transients zero-filled tensors like `param`; the barrier on the whole tensor; the post phase's reference step
+    with the barrier's result as its gradient."""
+    phases = plan(spec)
+    step = check_step(step)
+    transients = {name: torch.zeros_like(param) for name in phases.transients}
+    held = {**{name: state[name] for name in list(spec.state_names) + list(spec.scalar_names) if name in state},
+            **transients}
+    tile_state = {s.name: held[s.name] for s in phases.tile.states if s.name in held}
+    tile_state.update({name: held[name] for name in phases.tile.scalar_names if name in held})
+    reference_step(phases.tile, param, grad, tile_state, step=step, weight_dtype=weight_dtype,
+                   **phases.keywords(phases.tile, cfg.hypers, cfg.flags, param.shape))
+    if phases.barrier is None:
+        return
+    args = barrier_arguments(phases.barrier, cfg.hypers, step, param.shape)
+    result = apply_barrier(phases.barrier.func, held[phases.barrier.source], args).to(param.dtype)
+    post_state = {s.name: held[s.name] for s in phases.post.states}
+    reference_step(phases.post, param, result, post_state, step=step, weight_dtype=weight_dtype,
+                   **phases.keywords(phases.post, cfg.hypers, cfg.flags, param.shape))

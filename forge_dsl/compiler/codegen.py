@@ -38,7 +38,8 @@ GENERATOR_VERSION = "2"
 # writes the same bytes.  tests/compiler/test_loader.py checks that this list is the import closure of the
 # pipeline.
 COMPILER_MODULES = ("compiler/codegen", "compiler/lowering", "spec/checker", "spec/errors", "spec/ir", "spec/names",
-                    "spec/nonneg", "spec/parser", "spec/printer", "spec/scalar_ops", "spec/variants")
+                    "spec/nonneg", "spec/parser", "spec/phases", "spec/placement", "spec/printer", "spec/scalar_ops",
+                    "spec/variants")
 
 
 def _template_text(name: str) -> str:

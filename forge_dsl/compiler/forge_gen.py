@@ -3,6 +3,10 @@
     forge-gen optimizers/             # writes generated/<name>.py for every spec; rewrites only what changed
     forge-gen --check optimizers/     # exit 1, with the command that fixes it, when generated/ is stale or damaged
     forge-gen my_opt.fopt -o out/     # a single spec anywhere
+    forge-gen --explain muon.fopt     # print the phases a spec runs as (spec/phases.py); write nothing
+
+A spec that reads the whole weight (`orthogonalize`) or its shape compiles to one module per phase,
+`<name>_tile.py` and `<name>_post.py`.
 
 Without `-o`, the output folder is `generated/` beside a folder named `optimizers/`, and otherwise
 the spec's own folder (`kernels.compiled.default_out`); with `-o`, forge-gen records the module in
@@ -21,6 +25,7 @@ from pathlib import Path
 
 from ..spec.errors import SpecError
 from ..spec.loading import load_spec
+from ..spec.phases import is_phased, plan
 from .codegen import read_stamp, render_module
 from .loader import atomic_write, default_out, register
 
@@ -64,8 +69,8 @@ def _output(spec_file: Path, out_dir: Path) -> str:
     return "optimizers" if spec_file.resolve().parent.name == "optimizers" else "beside"
 
 
-def generate(spec_file: Path, out_dir: Path) -> tuple[Path, str]:
-    """(target path, generated text) for one spec file.
+def generate(spec_file: Path, out_dir: Path) -> list[tuple[Path, str]]:
+    """(target path, generated text) of each module of one spec file: one, or one per phase (`spec.phases`).
 
     Raises:
         SpecError: a bad spec (or one whose file is not named after it).
@@ -78,7 +83,9 @@ def generate(spec_file: Path, out_dir: Path) -> tuple[Path, str]:
             spec.loc,
             spec.source,
         )
-    return out_dir / f"{spec.name}.py", render_module(spec, _output(spec_file, out_dir))
+    output = _output(spec_file, out_dir)
+    modules = plan(spec).phases if is_phased(spec) else (spec,)
+    return [(out_dir / f"{m.name}.py", render_module(m, output)) for m in modules]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--out",
                         help="output folder (default: generated/ beside optimizers/, else the spec's folder)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any output is stale or damaged")
+    parser.add_argument("--explain", action="store_true",
+                        help="write nothing; print each spec's plan: its phases, extra work and transient bytes")
     args = parser.parse_args(argv)
 
     try:
@@ -98,18 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     stale: list[str] = []
     damaged: list[str] = []
     spec_failed = io_failed = False
+    outputs: list[tuple[Path, Path, Path, str]] = []  # (spec file, out folder, target, text)
     for spec_file in files:
         out_dir = Path(args.out) if args.out else default_out(spec_file)
         try:
-            target, text = generate(spec_file, out_dir)
+            if args.explain:
+                print(_explain(load_spec(str(spec_file))))
+                continue
+            outputs += [(spec_file, out_dir, target, text) for target, text in generate(spec_file, out_dir)]
         except SpecError as err:
             print(err, file=sys.stderr)
             spec_failed = True
-            continue
         except OSError as err:
             print(f"forge-gen: cannot read {spec_file}: {err.strerror or err}", file=sys.stderr)
             io_failed = True
-            continue
+    for spec_file, out_dir, target, text in outputs:
         data = text.encode()
         try:
             current = target.read_bytes() if target.is_file() else None
@@ -145,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forge-gen: {'; '.join(parts)}; run `{command}` and commit the result", file=sys.stderr)
         return 1
     return 0
+
+
+def _explain(spec) -> str:
+    """What `--explain` prints for one spec."""
+    if is_phased(spec):
+        return plan(spec).describe()
+    return (f"{spec.name}: 1 phase, element-wise: fused into each layer's dW tiles in backward (or stepped from "
+            ".grad); no transient, no extra GEMM")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Optional, Union
 
 from ..spec import ir
 from ..spec.checker import Level, check_spec
+from ..spec.phases import is_phased
 from ..spec.scalar_ops import apply_scalar_op, fp32
 from ..spec.variants import Combo, assignments, runtime_flags, specialize, states_present, variant_of, variants
 
@@ -251,7 +252,12 @@ def lower(spec: ir.Spec, combo: Combo) -> Lowered:
     Raises:
         SpecError: `spec` is not valid. A spec from `load_spec` is checked already; one from `parse_spec`
             is checked here first (once), since lowering assumes what the checker proves.
+        ValueError: `spec` runs in phases (`spec.phases`): each phase is lowered, not the spec.
     """
+    if is_phased(_checked(spec)):
+        raise ValueError(f"{spec.name} reads the whole weight or its shape, so it runs in phases, each its own "
+                         f"kernel: ForgeOptimizer and reference_step run them; for the kernels, call them on "
+                         f"forge_dsl.spec.phases.plan(spec).tile and .post (forge-gen --explain prints the plan)")
     return _lower_cached(_checked(spec), variant_of(spec, tuple(combo)))
 
 

@@ -26,11 +26,12 @@ from typing import Iterator, Optional
 
 from . import ir
 from .errors import Loc, SpecError, did_you_mean
-from .names import (API_KEYWORDS, BUILTIN_FUNCTIONS, BUILTIN_VALUES, COLLIDING_NAMES, NOT_ELEMENT_WISE_HINT,
-                    REDUCTIONS, RESERVED_NAMES, SCHEDULER_KEYS)
+from .names import (API_KEYWORDS, BARRIER_FUNCTIONS, BUILTIN_FUNCTIONS, BUILTIN_VALUES, COLLIDING_NAMES,
+                    NOT_ELEMENT_WISE_HINT, REDUCTIONS, RESERVED_NAMES, SCHEDULER_KEYS, SHAPE_VALUES)
 from .nonneg import check_nonneg
 from .printer import print_expr
 from .scalar_ops import fp32
+from .placement import check_barrier_placement
 from .variants import (
     Combo,
     children,
@@ -53,6 +54,7 @@ _KIND_PHRASES = {
     "param": "the parameter (a per-element value)",
     "grad": "the gradient (a per-element value)",
     "step": "the step counter",
+    "shape": "the weight's shape (one value per tensor)",
     "state": "a state",
     "scalar state": "a scalar state",
     "tuple keyword": "a tuple keyword",
@@ -116,9 +118,9 @@ class _Checker:
 
     # -- declarations ------------------------------------------------------
     def declare(self, name: str, symbol: _Symbol, loc: Loc) -> None:
-        if name in BUILTIN_VALUES:
+        if name in BUILTIN_VALUES or name in SHAPE_VALUES:
             raise self.error(f"'{name}' is built in and cannot be declared", loc)
-        if name in BUILTIN_FUNCTIONS:
+        if name in BUILTIN_FUNCTIONS or name in BARRIER_FUNCTIONS:
             raise self.error(f"'{name}' is a built-in function and cannot be declared", loc)
         self.check_name(name, loc)
         if name in self.symbols:
@@ -151,6 +153,7 @@ class _Checker:
             "param": _Symbol("param", Type.REAL, Level.ELEMENT),
             "grad": _Symbol("grad", Type.REAL, Level.ELEMENT),
             "step": _Symbol("step", Type.REAL, Level.HOST),
+            **{name: _Symbol("shape", Type.REAL, Level.HOST) for name in SHAPE_VALUES},
         }
         self.check_name(spec.name, spec.loc)
         members = {m for g in spec.groups for m in g.members}
@@ -429,6 +432,8 @@ class _Checker:
 
     def infer_call(self, expr: ir.Call, env, defined_somewhere, why) -> tuple[Type, Level]:
         func = expr.func
+        if func in BARRIER_FUNCTIONS:
+            return self.infer_barrier(expr, env, defined_somewhere, why)
         if func not in BUILTIN_FUNCTIONS:
             if func in REDUCTIONS:
                 raise self.error(
@@ -462,6 +467,32 @@ class _Checker:
             raise self.error(f"{func}() is per element (it rounds as each weight is stored); a derived flag or a "
                              "'require' may use only hyperparameters and flags", expr.func_loc)
         return Type.REAL, Level.ELEMENT if func in ir.ELEMENT_FUNCTIONS else level
+
+    def infer_barrier(self, expr: ir.Call, env, defined_somewhere, why) -> tuple[Type, Level]:
+        """orthogonalize(x, steps, a, b, c, eps): x a per-element name, the rest one value per tensor. Where it may
+        stand (a statement of its own) is `check_barriers`'."""
+        func = expr.func
+        if self.allow_given:
+            raise self.error(f"{func}() reads the whole weight; a derived flag or a 'require' may use only "
+                             "hyperparameters and flags", expr.func_loc)
+        arity = BARRIER_FUNCTIONS[func]
+        if len(expr.args) != arity:
+            raise self.error(f"{func}() takes {arity} arguments (x, steps, a, b, c, eps: torch.optim.Muon's "
+                             f"ns_steps, ns_coefficients and eps), got {len(expr.args)}", expr.loc)
+        first = expr.args[0]
+        t, level = self.infer(first, env, defined_somewhere, why)
+        self.expect_real(first, t, f"{func}()")
+        if not isinstance(first, ir.Name) or level < Level.ELEMENT:
+            raise self.error(f"the first argument of {func}() must name a per-element value (a state or a "
+                             "temporary)", first.loc, hint=f"assign the matrix to a temporary first: "
+                             f"'u = ...' then '{func}(u, ...)'")
+        for arg in expr.args[1:]:
+            t, level = self.infer(arg, env, defined_somewhere, why)
+            self.expect_real(arg, t, f"{func}()")
+            if level > Level.HOST:
+                raise self.error(f"{func}()'s steps, coefficients and eps are one value per tensor; this one differs "
+                                 "per element", arg.loc)
+        return Type.REAL, Level.ELEMENT
 
     def expect_real(self, expr: ir.Expr, t: Type, where: str) -> None:
         if t is Type.REAL:
@@ -588,6 +619,7 @@ class _Checker:
     def run(self) -> None:
         self.check_declarations()
         self.check_body_structure()
+        check_barrier_placement(self.spec, {name: sym.kind for name, sym in self.symbols.items()})
         combos = combinations(self.spec)
         # First find whether a problem is independent of the flags (then say it plainly).
         errors = []

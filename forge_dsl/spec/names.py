@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import keyword
 
-__all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "COLLIDING_NAMES", "NOT_ELEMENT_WISE_HINT",
-           "REDUCTIONS", "RESERVED_NAMES", "SCHEDULER_KEYS"]
+__all__ = ["API_KEYWORDS", "BARRIER_FUNCTIONS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "COLLIDING_NAMES",
+           "NOT_ELEMENT_WISE_HINT", "REDUCTIONS", "RESERVED_NAMES", "SCHEDULER_KEYS", "SHAPE_VALUES"]
 
 # name -> number of arguments
 BUILTIN_FUNCTIONS = {
@@ -30,13 +30,19 @@ BUILTIN_FUNCTIONS = {
     "stored": 1,  # per element whatever its argument (ir.ELEMENT_FUNCTIONS)
 }
 
+# Functions of the whole weight that split an update into phases (spec/phases.py): name -> number of arguments.
+# orthogonalize(x, steps, a, b, c, eps): torch.optim.Muon's Newton-Schulz iteration of the matrix x, in bfloat16.
+BARRIER_FUNCTIONS = {
+    "orthogonalize": 6,
+}
+
 # Functions a user may reach for that combine several elements (the matrix functions of Muon and Shampoo and the
 # row / column statistics of Adafactor among them).
 REDUCTIONS = {
     "sum", "mean", "norm", "prod", "dot", "std", "var", "amax", "amin", "argmax", "argmin",
     "cumsum", "cumprod", "matmul", "mm", "numel", "size", "softmax", "logsumexp", "median",
     "topk", "sort", "roll", "shift", "outer", "trace", "any", "all", "count",
-    "rms", "rowmean", "colmean", "rowsum", "colsum", "orthogonalize", "newton_schulz", "zeropower", "svd", "qr",
+    "rms", "rowmean", "colmean", "rowsum", "colsum", "newton_schulz", "zeropower", "svd", "qr",
     "inverse", "eigh", "transpose",
 }
 
@@ -45,12 +51,14 @@ NOT_ELEMENT_WISE_HINT = (
     "the update runs inside backward on each tile of the weight while its gradient is in registers, before the "
     "weight's other tiles exist, so nothing computed over the whole tensor can reach it (nor a hyperparameter "
     "computed from this step's gradient: the update has run before step()). Clipping by the global norm: "
-    "ForgeOptimizer(..., max_grad_norm=c) around any spec. LAMB, LARS, Adafactor, Muon, Shampoo: not expressible "
-    "(docs/LANGUAGE.md section 9); train with torch.optim's optimizer (torch.optim.Adafactor, torch.optim.Muon) "
-    "stepping from .grad"
+    "ForgeOptimizer(..., max_grad_norm=c) around any spec. Muon: 'o = orthogonalize(buf, steps, a, b, c, eps)' as a "
+    "statement of its own (the built-in spec 'muon'). LAMB, LARS, Adafactor, Shampoo: not expressible yet "
+    "(docs/LANGUAGE.md section 9); train with torch.optim's optimizer (torch.optim.Adafactor) stepping from .grad"
 )
 
 BUILTIN_VALUES = ("param", "grad", "step")
+# The weight's shape, one value per tensor: `rows` = size(0), `cols` = the product of the other sizes.
+SHAPE_VALUES = ("rows", "cols")
 
 # Names that would collide with Python (keyword arguments of the generated
 # launchers), Triton or the generated code's own names.

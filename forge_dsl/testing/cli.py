@@ -87,6 +87,13 @@ def _main(args) -> int:
         except SpecError as err:
             print(err, file=sys.stderr)
             return 1
+    from ..spec.phases import is_phased
+    phased = [s.name for s in specs if is_phased(s)]
+    if phased:
+        raise UsageError(f"{', '.join(phased)} runs in phases (forge-gen --explain): forge-test does not sweep "
+                         "specs in phases yet (nor draw their whole-number keywords); tests/compiler/"
+                         "test_parity_torch.py checks muon's reference step and tests/training/test_phases.py its "
+                         "kernels against torch.optim.Muon")
     progress = _progress if args.verbose else None
     threads = torch.get_num_threads()
     if args.device == "cpu":

@@ -78,7 +78,7 @@ from ..kernels.foreach import FOREACH_MAX_ELEMENTS, shared_launch_key
 from ..kernels.policy import LINEAR_PATHS, interpreting
 from ..spec.keywords import check_seed, resolve_hypers
 from ..spec.loading import SpecLike, load_spec
-from . import checkpoint, data_parallel, grad_passes, hf_head, installer, tensor_parallel
+from . import checkpoint, data_parallel, grad_passes, hf_head, installer, phased, tensor_parallel
 from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad
 from .installer import fuse
 from .stepper import INITIAL_KEY, ParamStepper, group_hypers, initial_value_hypers
@@ -264,6 +264,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for p in self._param_index:
             self._check_param(p)
         self._check_own_memory(list(self._param_index))
+        if self._stepper.phased is not None:  # refused before anything is installed; Embeddings from .grad
+            candidates = phased.check_and_unfuse_rows(self.spec, list(self._param_index), self._names, candidates,
+                                                      state_dtype=state_dtype, max_grad_norm=self.max_grad_norm,
+                                                      accumulation_steps=self.accumulation_steps,
+                                                      lm_head_loss=lm_head_loss, sharded_dp=sharded_dp)
         sharded = next((p for p in self._param_index if tensor_parallel.is_dtensor(p)), None)
         if (sharded is not None and not sharded_dp and
                 (self.max_grad_norm is not None or self.accumulation_steps > 1)):
@@ -452,7 +457,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 state = self._stepper.state_for(p, group, hypers)
                 param, grad = tensor_parallel.local(p), tensor_parallel.local_grad(p)
                 key = None
-                if self.foreach and param.numel() <= FOREACH_MAX_ELEMENTS:
+                if self.foreach and param.numel() <= FOREACH_MAX_ELEMENTS and self._stepper.phased is None:
                     key = shared_launch_key(self.spec, param, grad, state)
                 if key is not None:  # shards of one rank draw their own bits, replicas the same: kept apart
                     shared.setdefault((int(state["step"]), key, self._stepper.shard_of.get(p)), []).append(p)

@@ -25,7 +25,9 @@ from ..kernels.steps import ParamUpdate, linear_step, mix_seed, resolved_hypers
 from ..kernels.steps import step as elementwise_step
 from ..spec import ir
 from ..spec.keywords import resolve_hypers
+from ..spec.phases import is_phased
 from . import checkpoint, tensor_parallel
+from .phased import PhasedUpdate
 from .weight import StepProgress, meta_refusal
 
 __all__ = ["ParamStepper", "INITIAL_KEY", "capture_refusal", "capturing", "group_hypers", "initial_value_hypers"]
@@ -99,6 +101,7 @@ class ParamStepper:
         self.seed = seed
         self.linear_path = linear_path
         self.progress = StepProgress()
+        self.phased = PhasedUpdate(spec) if is_phased(spec) else None  # a spec that runs in phases (spec.phases)
         # parameter -> (what it was made from, its state): `prepare_state`'s, until the first update takes it
         self._prepared: dict[torch.nn.Parameter, tuple[tuple, dict]] = {}
 
@@ -257,12 +260,28 @@ class ParamStepper:
         hypers = self.group_hypers(group)
         state = self.state_for(weight, group, hypers)
         self.progress.open_backward()
-        linear_step(
-            self.spec, x, dy, tensor_parallel.local(weight), state, path=self.linear_path,
-            step=int(state["step"].item()) + 1, seed=self.rounding_seed(weight, state), rounding=self.rounding,
-            tf32=torch.get_float32_matmul_precision() != "highest", **hypers,
-        )
+        step, seed = int(state["step"].item()) + 1, self.rounding_seed(weight, state)
+        spec, kernel_state, kernel_hypers = self._first_phase(weight, state, hypers)
+        linear_step(spec, x, dy, tensor_parallel.local(weight), kernel_state, path=self.linear_path, step=step,
+                    seed=seed, rounding=self.rounding, tf32=torch.get_float32_matmul_precision() != "highest",
+                    **kernel_hypers)
+        self._later_phases(weight, kernel_state, hypers, step, seed)
         state["step"] += 1
+
+    def _first_phase(self, p: torch.Tensor, state: dict, hypers: Mapping[str, Any]) -> tuple:
+        """(spec, state, keywords) of the update's first kernel: the spec's own, or its tile phase's."""
+        if self.phased is None:
+            return self.spec, state, hypers
+        cfg = resolved_hypers(self.spec, dict(hypers))
+        return (self.phased.plan.tile, self.phased.tile_state(tensor_parallel.local(p), state),
+                self.phased.tile_keywords(p, cfg))
+
+    def _later_phases(self, p: torch.Tensor, kernel_state: dict, hypers: Mapping[str, Any], step: int,
+                      seed: int) -> None:
+        """After the first kernel of a spec that runs in phases: its barrier and post phase."""
+        if self.phased is not None:
+            self.phased.finish(tensor_parallel.local(p), kernel_state, resolved_hypers(self.spec, dict(hypers)),
+                               step=step, seed=seed, rounding=self.rounding)
 
     def begin_rows(self, weight: torch.nn.Parameter) -> ParamUpdate:
         """One step of a fused weight whose gradient comes in blocks of rows (`FusedWeight.begin`)."""
@@ -284,8 +303,11 @@ class ParamStepper:
     def from_grad(self, p: torch.nn.Parameter, grad: torch.Tensor, state: dict, hypers: Mapping[str, Any]) -> None:
         """`p`'s update from its local gradient `grad` (the element-wise kernel)."""
         self._refuse_capture(p)
-        elementwise_step(self.spec, tensor_parallel.local(p), grad, state, step=int(state["step"].item()) + 1,
-                         seed=self.rounding_seed(p, state), rounding=self.rounding, **hypers)
+        step, seed = int(state["step"].item()) + 1, self.rounding_seed(p, state)
+        spec, kernel_state, kernel_hypers = self._first_phase(p, state, hypers)
+        elementwise_step(spec, tensor_parallel.local(p), grad, kernel_state, step=step, seed=seed,
+                         rounding=self.rounding, **kernel_hypers)
+        self._later_phases(p, kernel_state, hypers, step, seed)
         state["step"] += 1
 
     def flat(self, params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor], count: int,

@@ -12,12 +12,12 @@ import pytest  # noqa: F401  (helpers raise pytest's skips)
 import torch
 from torch import nn
 
-import forge_dsl
+from spec_lists import ELEMENT_WISE
 from forge_dsl import ForgeOptimizer
 from references import LionFormula
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SPECS = forge_dsl.builtin_names()
+SPECS = ELEMENT_WISE
 REL_TOL = 1e-5
 MOVED = 100 * REL_TOL  # every fused weight must move by at least this much (relative), so a no-op fails
 

@@ -18,14 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-import forge_dsl
+from spec_lists import ELEMENT_WISE
 from forge_dsl import ForgeOptimizer, init_state
 from forge_dsl.kernels import step, steps
 from forge_dsl.kernels.foreach import foreach_step, shared_launch_key
 from tiers import sweep
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SPECS = forge_dsl.builtin_names()
+SPECS = ELEMENT_WISE
 HYPERS = {"sgd_momentum": {"momentum": 0.9}, "lion": {"lr": 1e-3}}
 # int8 state needs last dims that are multiples of 64 to share a launch; fp32 / bf16 take any
 SHAPES = {"int8": [(64,), (2, 128), (192,), (3, 64)], "other": [(37,), (3, 5), (64,), (2, 130)]}

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import forge_dsl
+from spec_lists import ELEMENT_WISE
 from references import ADAMAX
 from tiers import sweep
 from forge_dsl import kernels
@@ -36,7 +37,7 @@ from forge_dsl.testing import (FP32_REL_TOL, HALVES_CONFIG, K, N, SPLIT_CONFIGS,
                                make_problem, rel_err, sign_tie_allowance, weight_bound)
 
 DEVICE = default_device()
-SPECS = forge_dsl.builtin_names()
+SPECS = ELEMENT_WISE
 HYPERS = {"sgd_momentum": {"momentum": 0.9}, "lion": {"lr": 1e-3}}
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import forge_dsl
+from spec_lists import ELEMENT_WISE
 from forge_dsl import kernels
 from forge_dsl.kernels import gluon_lib, policy, reuse, steps
 
@@ -121,7 +122,7 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["w_bf16", "w_fp32"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", forge_dsl.builtin_names())
+@pytest.mark.parametrize("name", ELEMENT_WISE)
 @pytest.mark.parametrize("entry", ["fused_linear_step", "linear_step"])
 def test_reused_launch_passes_what_the_checked_path_binds(recorder, monkeypatch, name, layout, w_dtype, entry):
     """Steps 2–8 (fresh activations, another seed, the step's host scalars) reuse step 1's launch: the

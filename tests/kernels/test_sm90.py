@@ -19,6 +19,7 @@ import pytest
 import triton
 
 import forge_dsl
+from spec_lists import ELEMENT_WISE
 from forge_dsl.kernels.policy import TileConfig
 from forge_dsl.kernels.layouts import QUANTIZED_NAMES
 
@@ -32,20 +33,20 @@ pytestmark = [pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump
 # activations and state; the int8-state tiles); the others are the 512-token default, the plain-load
 # token loop of small layers, and float32 activations (exact and TF32 products).
 CASES = [(name, layout, {"momentum": 0.9} if name == "sgd_momentum" else {}, None, "bf16")
-         for name in forge_dsl.builtin_names() for layout in ("bf16", "int8")]
+         for name in ELEMENT_WISE for layout in ("bf16", "int8")]
 CASES += [("rmsprop", "bf16", h, None, "bf16")
           for h in ({"momentum": 0.9}, {"centered": True}, {"centered": True, "momentum": 0.9})]
 # the warp-specialized kernel (the default above for bf16 state where this Triton has Gluon) with fp32
 # state, and with 4 MMA and 4 epilogue warps
 CASES += [(name, "fp32", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,5,split=4,ws=8,prefetch=0",
-           "bf16") for name in forge_dsl.builtin_names()]
+           "bf16") for name in ELEMENT_WISE]
 # ... with int8 state (no prefetch: fused_config's choice there)
 CASES += [(name, "int8", {"momentum": 0.9} if name == "sgd_momentum" else {}, "64,128,128,8,5,split=4,ws=8,prefetch=0",
-           "bf16") for name in forge_dsl.builtin_names()]
+           "bf16") for name in ELEMENT_WISE]
 CASES += [("adamw", "bf16", {}, "32,128,128,4,2,split=4,ws=4", "bf16")]
 # ... with int4 state (its default at 2048 tokens), and int4 state in the Triton kernel
 CASES += [(name, "int4", {"momentum": 0.9} if name == "sgd_momentum" else {}, None, "bf16")
-          for name in forge_dsl.builtin_names()]
+          for name in ELEMENT_WISE]
 # QUANTIZED_TILES, the Triton kernel's int4 tiles on GPUs without the warp-specialized kernel
 CASES += [(name, "int4", {}, "64,128,64,8,4,0,1,maxnreg=128", "bf16") for name in ("adamw", "rmsprop")]
 # ... with its MMA warps updating one slice of each tile (NAdam: the most registers)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import forge_dsl
+from spec_lists import ELEMENT_WISE
 from forge_dsl.compiler import codegen
 from forge_dsl.spec.variants import combinations
 from forge_dsl.spec.keywords import resolve_hypers
@@ -180,7 +181,7 @@ def test_update_a_tenth_of_a_percent_off_fails_fp32_weights_of_every_builtin(tmp
         return {**data, "update_returns": [f"b_param + (({new_w}) - b_param) * 1.001", *rest]}
 
     monkeypatch.setattr(codegen, "_variant_data", wrong_update)
-    for name in forge_dsl.builtin_names():
+    for name in ELEMENT_WISE:
         spec = forge_dsl.load_spec(name)
         path = write_spec(tmp_path, Path(spec.path).read_text(), name, salt="update 0.1 % off")
         kw = keywords_for(spec, default_combo(spec), seed=0)
@@ -317,7 +318,7 @@ def test_drawn_keywords_reach_every_combination_inside_the_ranges():
     """Every built-in and combination: the keywords resolve to that combination (derived flags through their
     hyperparameters, `require`s passed), each hyperparameter inside its range and away from its default where
     the combination allows it, weight decay non-zero."""
-    for name in forge_dsl.builtin_names():
+    for name in ELEMENT_WISE:
         spec = forge_dsl.load_spec(name)
         for combo in combinations(spec):
             kw = draw_keywords(spec, combo, random.Random(1))
@@ -363,7 +364,7 @@ def test_drawn_learning_rate_moves_the_weight_by_a_few_percent():
     from forge_dsl.testing.problems import make_problem
 
     w0 = make_problem(0, torch.float32, device=torch.device("cpu"))[0].double()
-    for name in forge_dsl.builtin_names():  # every combination a quick run covers (sgd_momentum's nesterov: lr > 0)
+    for name in ELEMENT_WISE:  # every combination a quick run covers (sgd_momentum's nesterov: lr > 0)
         spec = forge_dsl.load_spec(name)
         for combo, seed in itertools.product(combos_for(spec, quick=True), (0, 3)):
             kw = keywords_for(spec, combo, seed=seed)
@@ -398,7 +399,7 @@ def test_full_sweep_of_a_builtin(name, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", forge_dsl.builtin_names())
+@pytest.mark.parametrize("name", ELEMENT_WISE)
 def test_quick_passes_every_builtin(name):
     """The correct kernels of every built-in pass the quick run, the update's checks included."""
     report = check_spec_kernels(name, quick=True)

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from repo import ROOT
 
+import forge_dsl
+from forge_dsl.spec.phases import is_phased, plan
+
 tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with tomllib (Python 3.11+)")
 
 
@@ -43,7 +46,9 @@ def test_wheel_ships_grammar_specs_templates_and_generated(tmp_path):
     assert "forge_dsl/compiler/templates/module.py.j2" in names
     for spec in (ROOT / "optimizers").glob("*.fopt"):
         assert f"forge_dsl/optimizers/{spec.name}" in names
-        assert f"forge_dsl/generated/{spec.stem}.py" in names
+        loaded = forge_dsl.load_spec(spec.stem)
+        for module in plan(loaded).phases if is_phased(loaded) else (loaded,):  # a module per phase
+            assert f"forge_dsl/generated/{module.name}.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "forge-gen = forge_dsl.compiler.forge_gen:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()

@@ -1,0 +1,53 @@
+"""The functions of the whole weight a spec may call between its phases (`spec.phases`), in eager torch.
+
+One home for their arithmetic: the reference step and the optimizer's runtime both call `apply_barrier`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["apply_barrier", "orthogonalize"]
+
+MAX_NS_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100
+
+
+def orthogonalize(x: torch.Tensor, steps: float, a: float, b: float, c: float, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz orthogonalization of a matrix, operation for operation.
+
+    Args:
+        x: [rows, cols], any float dtype (rounded to bfloat16 first, as torch.optim.Muon does).
+        steps: the number of iterations, a whole number in [0, 100).
+        a, b, c: the quintic's coefficients (torch.optim.Muon's ns_coefficients).
+        eps: the floor of the Frobenius norm x is divided by.
+
+    Returns:
+        [rows, cols] bfloat16: X ≈ U Vᵀ of x = U S Vᵀ (singular values near 1), computed on the wide orientation
+        (transposed when rows > cols) in bfloat16 matmuls, as torch computes them.
+
+    Raises:
+        ValueError: x is not 2-D, or steps is not a whole number in [0, 100).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"orthogonalize() needs a 2-D weight (torch.optim.Muon steps only matrices), got shape "
+                         f"{tuple(x.shape)}")
+    if steps != int(steps) or not 0 <= steps < MAX_NS_STEPS:
+        raise ValueError(f"orthogonalize(): ns_steps must be a whole number in [0, {MAX_NS_STEPS}), got {steps!r}")
+    ortho = x.bfloat16()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        ortho = ortho.T
+    ortho = ortho.div(ortho.norm().clamp(min=eps))
+    for _ in range(int(steps)):
+        gram = ortho @ ortho.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = torch.addmm(ortho, update, ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+def apply_barrier(func: str, x: torch.Tensor, args: tuple[float, ...]) -> torch.Tensor:
+    """`func(x, *args)` for a barrier function of `spec.names.BARRIER_FUNCTIONS`; x and the result shaped like
+    the weight."""
+    if func == "orthogonalize":
+        return orthogonalize(x, *args)
+    raise AssertionError(f"no barrier function {func!r}")

@@ -1,0 +1,275 @@
+"""Stage 3 of a spec that reads the whole weight: its update split into element-wise phases.
+
+A function of the whole weight (`names.BARRIER_FUNCTIONS`: `o = orthogonalize(u, ...)`) cannot run on one tile
+of the weight while its gradient is in registers: it needs every element of `u`. The update is split there:
+
+  * the **tile phase**, the statements before the barrier: an element-wise spec of its own, fused into the layer's
+    dW tiles (or stepped from a gradient) as every spec is. It updates the states and hands over, per element, the
+    values the rest reads that are not states (`transients`: the barrier's input when it is a temporary, `grad`
+    and temporaries read after the barrier). It leaves the weight as it is (`param = param`).
+  * the **barrier**: the function, on the whole weight of one layer, right after that layer's tile phase.
+  * the **post phase**, the statements after it: an element-wise spec whose `grad` is the barrier's result; it
+    writes the weight (once, with the step's rounding) and any state assigned there.
+
+A transient lives for one layer's update only: one scratch tensor shaped like the weight, fp32, never in the
+optimizer's state dict. A spec that reads `rows` or `cols` (the weight's shape) without a barrier is planned as its
+tile phase alone. Both phases are ordinary specs (their canonical text, `print_spec`), so the compiler, the
+loader's cache, the reference step and forge-test treat them as any other; their keywords are the spec's own
+(tuples flattened into their members) and `rows` / `cols` where they read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from . import ir
+from .checker import check_spec
+from .errors import Loc, SpecError
+from .names import BARRIER_FUNCTIONS, SHAPE_VALUES
+from .parser import parse_spec
+from .printer import print_spec
+from .variants import assignments, children, evaluate, iter_names, walk_statements
+
+__all__ = ["Barrier", "Plan", "is_phased", "plan", "barrier_arguments", "shape_values"]
+
+TILE_SUFFIX = "_tile"
+POST_SUFFIX = "_post"
+KEPT_PREFIX = "kept_"
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """`target = func(source, *args)`: the function of the whole weight between the phases.
+
+    Attributes:
+        func: its name (`orthogonalize`).
+        target: the temporary it assigns; the post phase reads it as `grad`.
+        source: what it reads after the tile phase: a state of the spec, or a transient.
+        args: its other arguments (steps, a, b, c, eps), one value per tensor: expressions of the keywords,
+            `step`, `rows` and `cols` (`barrier_arguments` evaluates them).
+        loc: where it is written.
+    """
+
+    func: str
+    target: str
+    source: str
+    args: tuple[ir.Expr, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a spec runs as, phase by phase.
+
+    Attributes:
+        spec: the spec planned.
+        tile: the tile phase, a checked element-wise spec named `<name>_tile`.
+        barrier: the function of the whole weight after it, or None (a spec that reads only `rows` / `cols`).
+        post: the post phase, a checked element-wise spec named `<name>_post`, or None without a barrier.
+        transients: the tile phase's states that are not the spec's: per-element values handed over for one
+            layer (named `kept_<value>`), fp32, never saved.
+        shape_keywords: `rows` / `cols` -> the keyword a phase reads it as (the phases declare the weight's shape
+            as hyperparameters of their own: `rows` and `cols` are built in, not declarable).
+    """
+
+    spec: ir.Spec
+    tile: ir.Spec
+    barrier: Optional[Barrier]
+    post: Optional[ir.Spec]
+    transients: tuple[str, ...]
+    shape_keywords: Mapping[str, str]
+
+    def keywords(self, phase: ir.Spec, hypers: Mapping[str, Optional[float]], flags: Mapping[str, bool],
+                 shape) -> dict:
+        """`phase`'s keyword values: the spec's resolved `hypers` (tuple members by name, `StepConfig.hypers`) and
+        `flags` (`StepConfig.flags`), and the weight's `shape` as `rows` / `cols`."""
+        shape_of = {keyword: value for name, value in shape_values(shape).items()
+                    for keyword in [self.shape_keywords.get(name)] if keyword is not None}
+        out: dict = {f.name: flags[f.name] for f in phase.flags}
+        for h in phase.hypers:
+            out[h.name] = shape_of[h.name] if h.name in shape_of else hypers[h.name]
+        return out
+
+    @property
+    def phases(self) -> tuple[ir.Spec, ...]:
+        return (self.tile,) if self.post is None else (self.tile, self.post)
+
+    def describe(self) -> str:
+        """The plan as `forge-gen --explain` prints it: phases, extra work, transient bytes per layer."""
+        lines = [f"{self.spec.name}: {len(self.phases)} phase{'s' if self.post is not None else ''}"]
+        lines.append(f"  1. tile phase ({self.tile.name}): element-wise, fused into each layer's dW tiles in backward "
+                     f"(or stepped from .grad); updates {_names(s.name for s in self.spec.states) or 'no state'}; "
+                     "leaves the weight as it is")
+        if self.transients:
+            lines.append(f"     hands over {len(self.transients)} transient{'s' if len(self.transients) > 1 else ''} "
+                         f"({', '.join(self.transients)}): {4 * len(self.transients)} bytes per weight element "
+                         "(fp32), one layer's at a time, allocated once per weight shape")
+        if self.barrier is not None:
+            b = self.barrier
+            lines.append(f"  2. {b.func}({b.source}) on the whole weight of one layer, right after its tile phase: "
+                         "in bfloat16 as torch.optim.Muon computes it; per step 3 GEMMs per Newton-Schulz step "
+                         "(2·s²·l + 2·s³ + 2·s²·l flops for an l × s matrix, s the shorter side); no dW recomputed")
+            lines.append(f"  3. post phase ({self.post.name}): element-wise on the whole weight, grad := "
+                         f"{b.target}; writes the weight once (the step's rounding)")
+        return "\n".join(lines)
+
+
+def _names(names) -> str:
+    return ", ".join(names)
+
+
+def is_phased(spec: ir.Spec) -> bool:
+    """Whether `spec` runs through a `Plan`: it calls a function of the whole weight or reads `rows` / `cols`."""
+    return _barrier_statement(spec) is not None or _reads_shape(spec.body)
+
+
+def shape_values(shape) -> dict[str, float]:
+    """`rows` and `cols` of a weight of this shape: size(0), and the product of the others (1 for a vector)."""
+    rows = int(shape[0]) if len(shape) else 1
+    cols = 1
+    for n in shape[1:]:
+        cols *= int(n)
+    return {"rows": float(rows), "cols": float(cols)}
+
+
+def barrier_arguments(barrier: Barrier, hypers: Mapping[str, Optional[float]], step: int, shape) -> tuple[float, ...]:
+    """The barrier's per-tensor arguments, evaluated (float64) over the resolved keywords (`StepConfig.hypers`),
+    `step` and the weight's shape."""
+    values = {**hypers, "step": float(step), **shape_values(shape)}
+    return tuple(float(evaluate(a, values)) for a in barrier.args)
+
+
+def _barrier_statement(spec: ir.Spec) -> Optional[ir.Assign]:
+    return next((s for s in spec.body if isinstance(s, ir.Assign) and isinstance(s.value, ir.Call)
+                 and s.value.func in BARRIER_FUNCTIONS), None)
+
+
+def _reads_shape(body) -> bool:
+    return any(n.id in SHAPE_VALUES for e in _expressions(body) for n in iter_names(e))
+
+
+def _expressions(body):
+    for stmt in walk_statements(body):
+        yield stmt.condition if isinstance(stmt, ir.If) else stmt.value
+
+
+@functools.lru_cache(maxsize=64)
+def plan(spec: ir.Spec) -> Plan:
+    """Split a checked spec at its barrier (module docstring).
+
+    Raises:
+        SpecError: a phase cannot be compiled (located at the barrier, with the phase's own message).
+    """
+    barrier_stmt = _barrier_statement(spec)
+    taken = set(spec.hyper_names) | set(spec.state_names) | set(spec.flag_names) | {d.name for d in spec.derived} \
+        | set(spec.scalar_names) | {s.target for s in assignments(spec.body)}
+    shape = {name: _fresh("n_" + name, taken) for name in SHAPE_VALUES}
+    if barrier_stmt is None:
+        tile = _phase(spec, TILE_SUFFIX, tuple(_rename_stmt(s, shape) for s in spec.body), spec.states,
+                      spec.scalars, spec.loc, tuple(shape.values()))
+        return Plan(spec, tile, None, None, (), shape)
+    cut = spec.body.index(barrier_stmt)
+    before, after = spec.body[:cut], spec.body[cut + 1:]
+    call = barrier_stmt.value
+    state_names = set(spec.state_names)
+    assigned_before = {s.target for s in assignments(before)}
+    read_after = [n.id for e in _expressions(after) for n in iter_names(e)]
+    handed = [n for n in dict.fromkeys(read_after) if n == "grad" or (n in assigned_before and n not in state_names
+                                                                        and n != barrier_stmt.target)]
+    source = call.args[0].id
+    if source not in state_names and source not in handed:
+        handed.insert(0, source)
+    kept = {name: _fresh(KEPT_PREFIX + name, taken) for name in handed}
+    transients = tuple(kept.values())
+    tile_states = spec.states + tuple(ir.State(k, ir.Num(0.0)) for k in transients)
+    tile_body = tuple(_rename_stmt(s, shape) for s in before) + tuple(
+        ir.Assign(k, ir.Name(name)) for name, k in kept.items()) + _keep(
+        ["param"] + [s.name for s in spec.states if s.name not in assigned_before])
+    tile = _phase(spec, TILE_SUFFIX, tile_body, tile_states, (), barrier_stmt.loc, tuple(shape.values()))
+    renamed = {**shape, **kept, barrier_stmt.target: "grad"}
+    post_body = tuple(_rename_stmt(s, renamed) for s in after)
+    post_reads = {n.id for e in _expressions(post_body) for n in iter_names(e)}
+    post_assigned = {s.target for s in assignments(post_body)}
+    post_states = tuple(s for s in spec.states if s.name in post_reads | post_assigned) + tuple(
+        ir.State(k, ir.Num(0.0)) for k in transients if k in post_reads)
+    post_body += _keep([s.name for s in post_states if s.name not in post_assigned])
+    post = _phase(spec, POST_SUFFIX, post_body, post_states, (), barrier_stmt.loc, tuple(shape.values()))
+    source = kept.get(source, source)
+    barrier = Barrier(call.func, barrier_stmt.target, source, call.args[1:], barrier_stmt.loc)
+    return Plan(spec, tile, barrier, post, transients, shape)
+
+
+def _fresh(name: str, taken: set) -> str:
+    out, i = name, 2
+    while out in taken:
+        out, i = f"{name}{i}", i + 1
+    taken.add(out)
+    return out
+
+
+def _keep(names) -> tuple[ir.Assign, ...]:
+    """`x = x` for each name: a phase's checks want every state (and param) assigned; the value is unchanged."""
+    return tuple(ir.Assign(n, ir.Name(n)) for n in names)
+
+
+def _rename(e: ir.Expr, names: Mapping[str, str]) -> ir.Expr:
+    if isinstance(e, ir.Name):
+        return dataclasses.replace(e, id=names.get(e.id, e.id))
+    if isinstance(e, ir.Unary):
+        return dataclasses.replace(e, operand=_rename(e.operand, names))
+    if isinstance(e, ir.Binary):
+        return dataclasses.replace(e, left=_rename(e.left, names), right=_rename(e.right, names))
+    if isinstance(e, ir.Call):
+        return dataclasses.replace(e, args=tuple(_rename(a, names) for a in e.args))
+    assert not children(e), e
+    return e
+
+
+def _rename_stmt(s: ir.Stmt, names: Mapping[str, str]) -> ir.Stmt:
+    if isinstance(s, ir.Assign):
+        return dataclasses.replace(s, target=names.get(s.target, s.target), value=_rename(s.value, names))
+    return dataclasses.replace(s, condition=_rename(s.condition, names),
+                               then=tuple(_rename_stmt(t, names) for t in s.then),
+                               orelse=tuple(_rename_stmt(t, names) for t in s.orelse))
+
+
+def _read_names(e: ir.Expr) -> set[str]:
+    """The names `e` reads, those tested by given() included."""
+    out = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, ir.Name):
+            out.add(x.id)
+        elif isinstance(x, ir.Given):
+            out.add(x.name)
+        stack.extend(children(x))
+    return out
+
+
+def _phase(spec: ir.Spec, suffix: str, body: tuple, states: tuple, scalars: tuple, loc: Loc,
+           shape_keywords: tuple[str, ...]) -> ir.Spec:
+    """One phase as a checked spec with its canonical text: the declarations its body reads, tuples flattened."""
+    reads = {n for e in _expressions(body) for n in _read_names(e)}
+    reads |= {n for s in states if s.condition is not None for n in _read_names(s.condition)}
+    derived = tuple(d for d in spec.derived if d.name in reads)
+    reads |= {n for d in derived for n in _read_names(d.expr)}
+    reads |= {n for s in tuple(states) + tuple(scalars) for n in _read_names(s.init)}
+    intervals = {g.name: g.interval for g in spec.groups}
+    hypers = tuple(dataclasses.replace(h, group=None, index=None, interval=intervals.get(h.group, h.interval))
+                   for h in spec.hypers if h.name in reads)
+    hypers += tuple(ir.Hyper(name, 1.0, ir.Interval(0.0, float("inf"))) for name in shape_keywords if name in reads)
+    phase = ir.Spec(
+        name=spec.name + suffix, doc=None, hypers=hypers, groups=(),
+        flags=tuple(f for f in spec.flags if f.name in reads), derived=derived,
+        states=tuple(states), scalars=tuple(scalars), requires=(), body=body)
+    text = print_spec(phase)
+    try:
+        return check_spec(parse_spec(text, spec.path))  # the spec's path: the loader looks beside it
+    except SpecError as err:
+        raise SpecError(f"the {suffix[1:]} phase of this spec cannot be compiled: {err.message}", loc, spec.source,
+                        "keep what runs before the barrier and what runs after it element-wise; "
+                        "forge-gen --explain prints the phases") from None
