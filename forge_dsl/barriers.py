@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_barrier", "orthogonalize"]
+__all__ = ["apply_barrier", "orthogonalize", "reduce_whole"]
 
 MAX_NS_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100
 
@@ -45,9 +45,22 @@ def orthogonalize(x: torch.Tensor, steps: float, a: float, b: float, c: float, e
     return ortho.T if tall else ortho
 
 
+def reduce_whole(func: str, x: torch.Tensor) -> torch.Tensor:
+    """`norm`, `sum` or `mean` of x over every element, in x's dtype promoted to at least float32 (a bfloat16
+    state or weight is read as float32). Returns a 0-dim tensor on x's device."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    if func == "norm":
+        return torch.linalg.vector_norm(x)
+    if func == "sum":
+        return x.sum()
+    if func == "mean":
+        return x.mean()
+    raise AssertionError(f"no reduction {func!r}")
+
+
 def apply_barrier(func: str, x: torch.Tensor, args: tuple[float, ...]) -> torch.Tensor:
-    """`func(x, *args)` for a barrier function of `spec.names.BARRIER_FUNCTIONS`; x and the result shaped like
-    the weight."""
+    """`func(x, *args)` for a barrier function of `spec.names.BARRIER_FUNCTIONS`: a matrix shaped like x
+    (`orthogonalize`) or a 0-dim tensor (`norm`, `sum`, `mean`)."""
     if func == "orthogonalize":
         return orthogonalize(x, *args)
-    raise AssertionError(f"no barrier function {func!r}")
+    return reduce_whole(func, x)

@@ -256,8 +256,9 @@ def reference_step(
 def _phased_step(spec: ir.Spec, cfg, param: torch.Tensor, grad: torch.Tensor, state: MutableMapping[str, torch.Tensor],
                  *, step: int, weight_dtype: Optional[torch.dtype]) -> None:
     """`reference_step` of a spec split into phases (`spec.phases.plan`): the tile phase's reference step, with its
-    transients zero-filled tensors like `param`; the barrier on the whole tensor; the post phase's reference step
-    with the barrier's result as its gradient."""
+    transients zero-filled tensors like `param`; the barriers on the whole tensor; the post phase's reference step
+    with the matrix barrier's result (or the gradient handed over) as its gradient and the per-tensor results as
+    its keywords."""
     phases = plan(spec)
     step = check_step(step)
     transients = {name: torch.zeros_like(param) for name in phases.transients}
@@ -267,10 +268,17 @@ def _phased_step(spec: ir.Spec, cfg, param: torch.Tensor, grad: torch.Tensor, st
     tile_state.update({name: held[name] for name in phases.tile.scalar_names if name in held})
     reference_step(phases.tile, param, grad, tile_state, step=step, weight_dtype=weight_dtype,
                    **phases.keywords(phases.tile, cfg.hypers, cfg.flags, param.shape))
-    if phases.barrier is None:
+    if phases.post is None:
         return
-    args = barrier_arguments(phases.barrier, cfg.hypers, step, param.shape)
-    result = apply_barrier(phases.barrier.func, held[phases.barrier.source], args).to(param.dtype)
+    values = {**held, "param": param}
+    results: dict[str, float] = {}
+    for b in phases.barriers:
+        out = apply_barrier(b.func, values[b.source], barrier_arguments(b, cfg.hypers, step, param.shape))
+        if b.per_tensor:
+            results[b.target] = float(out)
+        else:
+            values[b.target] = out.to(param.dtype)
+    post_grad = values[phases.post_grad] if phases.post_grad is not None else param
     post_state = {s.name: held[s.name] for s in phases.post.states}
-    reference_step(phases.post, param, result, post_state, step=step, weight_dtype=weight_dtype,
-                   **phases.keywords(phases.post, cfg.hypers, cfg.flags, param.shape))
+    reference_step(phases.post, param, post_grad, post_state, step=step, weight_dtype=weight_dtype,
+                   **phases.keywords(phases.post, cfg.hypers, cfg.flags, param.shape, results))

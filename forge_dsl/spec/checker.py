@@ -27,7 +27,8 @@ from typing import Iterator, Optional
 from . import ir
 from .errors import Loc, SpecError, did_you_mean
 from .names import (API_KEYWORDS, BARRIER_FUNCTIONS, BUILTIN_FUNCTIONS, BUILTIN_VALUES, COLLIDING_NAMES,
-                    NOT_ELEMENT_WISE_HINT, REDUCTIONS, RESERVED_NAMES, SCHEDULER_KEYS, SHAPE_VALUES)
+                    NOT_ELEMENT_WISE_HINT, PER_TENSOR_FUNCTIONS, REDUCTIONS, RESERVED_NAMES, SCHEDULER_KEYS,
+                    SHAPE_VALUES)
 from .nonneg import check_nonneg
 from .printer import print_expr
 from .scalar_ops import fp32
@@ -120,7 +121,7 @@ class _Checker:
     def declare(self, name: str, symbol: _Symbol, loc: Loc) -> None:
         if name in BUILTIN_VALUES or name in SHAPE_VALUES:
             raise self.error(f"'{name}' is built in and cannot be declared", loc)
-        if name in BUILTIN_FUNCTIONS or name in BARRIER_FUNCTIONS:
+        if name in BUILTIN_FUNCTIONS:
             raise self.error(f"'{name}' is a built-in function and cannot be declared", loc)
         self.check_name(name, loc)
         if name in self.symbols:
@@ -373,6 +374,9 @@ class _Checker:
 
     def refuse_method(self, expr: ir.Method):
         name = expr.method
+        if name in BARRIER_FUNCTIONS:
+            raise self.error(f"'.{name}()' is a method call; {name}() of the whole weight is written as a statement "
+                             f"of its own, 'r = {name}(x)' (docs/LANGUAGE.md section 9.1)", expr.loc)
         if name in REDUCTIONS:
             raise self.error(
                 f"'.{name}()' is a reduction, and reductions are not element-wise: an element's update may read "
@@ -469,30 +473,32 @@ class _Checker:
         return Type.REAL, Level.ELEMENT if func in ir.ELEMENT_FUNCTIONS else level
 
     def infer_barrier(self, expr: ir.Call, env, defined_somewhere, why) -> tuple[Type, Level]:
-        """orthogonalize(x, steps, a, b, c, eps): x a per-element name, the rest one value per tensor. Where it may
-        stand (a statement of its own) is `check_barriers`'."""
+        """orthogonalize(x, steps, a, b, c, eps), a matrix per element; norm(x), sum(x), mean(x), one value per
+        tensor: x a per-element name, the rest one value per tensor. Where they may stand is `placement`'s."""
         func = expr.func
         if self.allow_given:
             raise self.error(f"{func}() reads the whole weight; a derived flag or a 'require' may use only "
                              "hyperparameters and flags", expr.func_loc)
         arity = BARRIER_FUNCTIONS[func]
         if len(expr.args) != arity:
-            raise self.error(f"{func}() takes {arity} arguments (x, steps, a, b, c, eps: torch.optim.Muon's "
-                             f"ns_steps, ns_coefficients and eps), got {len(expr.args)}", expr.loc)
+            what = ("x, steps, a, b, c, eps: torch.optim.Muon's ns_steps, ns_coefficients and eps" if arity > 1
+                    else "a per-element value, reduced over the whole tensor")
+            raise self.error(f"{func}() takes {arity} argument{'s' if arity > 1 else ''} ({what}), got "
+                             f"{len(expr.args)}", expr.loc)
         first = expr.args[0]
         t, level = self.infer(first, env, defined_somewhere, why)
         self.expect_real(first, t, f"{func}()")
         if not isinstance(first, ir.Name) or level < Level.ELEMENT:
-            raise self.error(f"the first argument of {func}() must name a per-element value (a state or a "
-                             "temporary)", first.loc, hint=f"assign the matrix to a temporary first: "
-                             f"'u = ...' then '{func}(u, ...)'")
+            raise self.error(f"the first argument of {func}() must name a per-element value (param, a state or a "
+                             "temporary)", first.loc, hint=f"assign it to a temporary first: 'u = ...' then "
+                             f"'{func}(u{', ...' if arity > 1 else ''})'")
         for arg in expr.args[1:]:
             t, level = self.infer(arg, env, defined_somewhere, why)
             self.expect_real(arg, t, f"{func}()")
             if level > Level.HOST:
                 raise self.error(f"{func}()'s steps, coefficients and eps are one value per tensor; this one differs "
                                  "per element", arg.loc)
-        return Type.REAL, Level.ELEMENT
+        return Type.REAL, Level.HOST if func in PER_TENSOR_FUNCTIONS else Level.ELEMENT
 
     def expect_real(self, expr: ir.Expr, t: Type, where: str) -> None:
         if t is Type.REAL:

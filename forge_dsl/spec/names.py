@@ -7,7 +7,8 @@ from __future__ import annotations
 import keyword
 
 __all__ = ["API_KEYWORDS", "BARRIER_FUNCTIONS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "COLLIDING_NAMES",
-           "NOT_ELEMENT_WISE_HINT", "REDUCTIONS", "RESERVED_NAMES", "SCHEDULER_KEYS", "SHAPE_VALUES"]
+           "NOT_ELEMENT_WISE_HINT", "PER_TENSOR_FUNCTIONS", "REDUCTIONS", "RESERVED_NAMES", "SCHEDULER_KEYS",
+           "SHAPE_VALUES"]
 
 # name -> number of arguments
 BUILTIN_FUNCTIONS = {
@@ -31,15 +32,20 @@ BUILTIN_FUNCTIONS = {
 }
 
 # Functions of the whole weight that split an update into phases (spec/phases.py): name -> number of arguments.
-# orthogonalize(x, steps, a, b, c, eps): torch.optim.Muon's Newton-Schulz iteration of the matrix x, in bfloat16.
+# orthogonalize(x, steps, a, b, c, eps): torch.optim.Muon's Newton-Schulz iteration of the matrix x, in bfloat16;
+# norm(x), sum(x), mean(x): the 2-norm, sum and mean of x over the whole tensor (one value per tensor).
 BARRIER_FUNCTIONS = {
     "orthogonalize": 6,
+    "norm": 1,
+    "sum": 1,
+    "mean": 1,
 }
+PER_TENSOR_FUNCTIONS = frozenset({"norm", "sum", "mean"})
 
 # Functions a user may reach for that combine several elements (the matrix functions of Muon and Shampoo and the
 # row / column statistics of Adafactor among them).
 REDUCTIONS = {
-    "sum", "mean", "norm", "prod", "dot", "std", "var", "amax", "amin", "argmax", "argmin",
+    "prod", "dot", "std", "var", "amax", "amin", "argmax", "argmin",
     "cumsum", "cumprod", "matmul", "mm", "numel", "size", "softmax", "logsumexp", "median",
     "topk", "sort", "roll", "shift", "outer", "trace", "any", "all", "count",
     "rms", "rowmean", "colmean", "rowsum", "colsum", "newton_schulz", "zeropower", "svd", "qr",
@@ -51,9 +57,10 @@ NOT_ELEMENT_WISE_HINT = (
     "the update runs inside backward on each tile of the weight while its gradient is in registers, before the "
     "weight's other tiles exist, so nothing computed over the whole tensor can reach it (nor a hyperparameter "
     "computed from this step's gradient: the update has run before step()). Clipping by the global norm: "
-    "ForgeOptimizer(..., max_grad_norm=c) around any spec. Muon: 'o = orthogonalize(buf, steps, a, b, c, eps)' as a "
-    "statement of its own (the built-in spec 'muon'). LAMB, LARS, Adafactor, Shampoo: not expressible yet "
-    "(docs/LANGUAGE.md section 9); train with torch.optim's optimizer (torch.optim.Adafactor) stepping from .grad"
+    "ForgeOptimizer(..., max_grad_norm=c) around any spec. A norm, sum or mean over the tensor, or Muon's "
+    "orthogonalize(), as a statement of its own ('n = norm(x)'), splits the update into phases (docs/LANGUAGE.md "
+    "section 9.1; the built-in specs 'muon' and 'lamb'). Row and column statistics (Adafactor), Shampoo: not "
+    "expressible yet; train with torch.optim's optimizer (torch.optim.Adafactor) stepping from .grad"
 )
 
 BUILTIN_VALUES = ("param", "grad", "step")

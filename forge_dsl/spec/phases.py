@@ -28,7 +28,7 @@ from typing import Mapping, Optional
 from . import ir
 from .checker import check_spec
 from .errors import Loc, SpecError
-from .names import BARRIER_FUNCTIONS, SHAPE_VALUES
+from .names import BARRIER_FUNCTIONS, PER_TENSOR_FUNCTIONS, SHAPE_VALUES
 from .parser import parse_spec
 from .printer import print_spec
 from .variants import assignments, children, evaluate, iter_names, walk_statements
@@ -42,14 +42,16 @@ KEPT_PREFIX = "kept_"
 
 @dataclass(frozen=True)
 class Barrier:
-    """`target = func(source, *args)`: the function of the whole weight between the phases.
+    """`target = func(source, *args)`: one function of the whole weight between the phases.
 
     Attributes:
-        func: its name (`orthogonalize`).
-        target: the temporary it assigns; the post phase reads it as `grad`.
-        source: what it reads after the tile phase: a state of the spec, or a transient.
-        args: its other arguments (steps, a, b, c, eps), one value per tensor: expressions of the keywords,
-            `step`, `rows` and `cols` (`barrier_arguments` evaluates them).
+        func: its name (`orthogonalize`, `norm`, `sum`, `mean`).
+        target: the temporary it assigns: the post phase's `grad` (a matrix, `orthogonalize`) or a keyword of the
+            post phase (one value per tensor: `norm`, `sum`, `mean`).
+        source: what it reads after the tile phase: `param` (the weight, unchanged by the tile phase), a state of
+            the spec, or a transient.
+        args: its other arguments (orthogonalize's steps, a, b, c, eps), one value per tensor: expressions of the
+            keywords, `step`, `rows` and `cols` (`barrier_arguments` evaluates them).
         loc: where it is written.
     """
 
@@ -59,6 +61,11 @@ class Barrier:
     args: tuple[ir.Expr, ...]
     loc: Loc
 
+    @property
+    def per_tensor(self) -> bool:
+        """Whether its result is one value per tensor (a reduction), not a matrix."""
+        return self.func in PER_TENSOR_FUNCTIONS
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -67,30 +74,36 @@ class Plan:
     Attributes:
         spec: the spec planned.
         tile: the tile phase, a checked element-wise spec named `<name>_tile`.
-        barrier: the function of the whole weight after it, or None (a spec that reads only `rows` / `cols`).
+        barriers: the functions of the whole weight after it, in order (none: a spec that reads only `rows` /
+            `cols`).
         post: the post phase, a checked element-wise spec named `<name>_post`, or None without a barrier.
         transients: the tile phase's states that are not the spec's: per-element values handed over for one
             layer (named `kept_<value>`), fp32, never saved.
         shape_keywords: `rows` / `cols` -> the keyword a phase reads it as (the phases declare the weight's shape
             as hyperparameters of their own: `rows` and `cols` are built in, not declarable).
+        post_grad: what the post phase reads as its `grad`: a matrix barrier's target, a transient (the
+            gradient handed over), or None (it reads none).
     """
 
     spec: ir.Spec
     tile: ir.Spec
-    barrier: Optional[Barrier]
+    barriers: tuple[Barrier, ...]
     post: Optional[ir.Spec]
     transients: tuple[str, ...]
     shape_keywords: Mapping[str, str]
+    post_grad: Optional[str] = None
 
     def keywords(self, phase: ir.Spec, hypers: Mapping[str, Optional[float]], flags: Mapping[str, bool],
-                 shape) -> dict:
+                 shape, results: Mapping[str, float] = {}) -> dict:
         """`phase`'s keyword values: the spec's resolved `hypers` (tuple members by name, `StepConfig.hypers`) and
-        `flags` (`StepConfig.flags`), and the weight's `shape` as `rows` / `cols`."""
+        `flags` (`StepConfig.flags`), the weight's `shape` as `rows` / `cols`, and the per-tensor barriers'
+        `results` by target."""
         shape_of = {keyword: value for name, value in shape_values(shape).items()
                     for keyword in [self.shape_keywords.get(name)] if keyword is not None}
         out: dict = {f.name: flags[f.name] for f in phase.flags}
         for h in phase.hypers:
-            out[h.name] = shape_of[h.name] if h.name in shape_of else hypers[h.name]
+            out[h.name] = shape_of[h.name] if h.name in shape_of else results[h.name] if h.name in results \
+                else hypers[h.name]
         return out
 
     @property
@@ -107,13 +120,19 @@ class Plan:
             lines.append(f"     hands over {len(self.transients)} transient{'s' if len(self.transients) > 1 else ''} "
                          f"({', '.join(self.transients)}): {4 * len(self.transients)} bytes per weight element "
                          "(fp32), one layer's at a time, allocated once per weight shape")
-        if self.barrier is not None:
-            b = self.barrier
-            lines.append(f"  2. {b.func}({b.source}) on the whole weight of one layer, right after its tile phase: "
-                         "in bfloat16 as torch.optim.Muon computes it; per step 3 GEMMs per Newton-Schulz step "
-                         "(2·s²·l + 2·s³ + 2·s²·l flops for an l × s matrix, s the shorter side); no dW recomputed")
-            lines.append(f"  3. post phase ({self.post.name}): element-wise on the whole weight, grad := "
-                         f"{b.target}; writes the weight once (the step's rounding)")
+        for b in self.barriers:
+            if b.per_tensor:
+                lines.append(f"  2. {b.target} = {b.func}({b.source}) over the whole weight of one layer, right after "
+                             "its tile phase: one reduction in fp32, read back to the host (one synchronization "
+                             "per layer); no dW recomputed")
+            else:
+                lines.append(f"  2. {b.target} = {b.func}({b.source}) on the whole weight of one layer, right after "
+                             "its tile phase: in bfloat16 as torch.optim.Muon computes it; 3 GEMMs per Newton-Schulz "
+                             "step (4·s²·l + 2·s³ flops, l × s the matrix, s its shorter side); no dW recomputed")
+        if self.post is not None:
+            grad = f"grad := {self.post_grad}; " if self.post_grad is not None else ""
+            lines.append(f"  3. post phase ({self.post.name}): element-wise on the whole weight, {grad}writes the "
+                         "weight once (the step's rounding)")
         return "\n".join(lines)
 
 
@@ -123,7 +142,7 @@ def _names(names) -> str:
 
 def is_phased(spec: ir.Spec) -> bool:
     """Whether `spec` runs through a `Plan`: it calls a function of the whole weight or reads `rows` / `cols`."""
-    return _barrier_statement(spec) is not None or _reads_shape(spec.body)
+    return bool(_barrier_statements(spec)) or _reads_shape(spec.body)
 
 
 def shape_values(shape) -> dict[str, float]:
@@ -142,9 +161,9 @@ def barrier_arguments(barrier: Barrier, hypers: Mapping[str, Optional[float]], s
     return tuple(float(evaluate(a, values)) for a in barrier.args)
 
 
-def _barrier_statement(spec: ir.Spec) -> Optional[ir.Assign]:
-    return next((s for s in spec.body if isinstance(s, ir.Assign) and isinstance(s.value, ir.Call)
-                 and s.value.func in BARRIER_FUNCTIONS), None)
+def _barrier_statements(spec: ir.Spec) -> list[ir.Assign]:
+    return [s for s in spec.body if isinstance(s, ir.Assign) and isinstance(s.value, ir.Call)
+            and s.value.func in BARRIER_FUNCTIONS]
 
 
 def _reads_shape(body) -> bool:
@@ -158,48 +177,65 @@ def _expressions(body):
 
 @functools.lru_cache(maxsize=64)
 def plan(spec: ir.Spec) -> Plan:
-    """Split a checked spec at its barrier (module docstring).
+    """Split a checked spec at its barriers (module docstring; `placement` checked where they stand).
 
     Raises:
-        SpecError: a phase cannot be compiled (located at the barrier, with the phase's own message).
+        SpecError: a phase cannot be compiled (located at the first barrier, with the phase's own message).
     """
-    barrier_stmt = _barrier_statement(spec)
+    stage = _barrier_statements(spec)
     taken = set(spec.hyper_names) | set(spec.state_names) | set(spec.flag_names) | {d.name for d in spec.derived} \
         | set(spec.scalar_names) | {s.target for s in assignments(spec.body)}
     shape = {name: _fresh("n_" + name, taken) for name in SHAPE_VALUES}
-    if barrier_stmt is None:
+    shape_keywords = tuple(shape.values())
+    if not stage:
         tile = _phase(spec, TILE_SUFFIX, tuple(_rename_stmt(s, shape) for s in spec.body), spec.states,
-                      spec.scalars, spec.loc, tuple(shape.values()))
-        return Plan(spec, tile, None, None, (), shape)
-    cut = spec.body.index(barrier_stmt)
-    before, after = spec.body[:cut], spec.body[cut + 1:]
-    call = barrier_stmt.value
+                      spec.scalars, spec.loc, shape_keywords)
+        return Plan(spec, tile, (), None, (), shape)
+    cut = spec.body.index(stage[0])
+    before, after = spec.body[:cut], spec.body[cut + len(stage):]
     state_names = set(spec.state_names)
     assigned_before = {s.target for s in assignments(before)}
+    targets = {b.target for b in stage}
     read_after = [n.id for e in _expressions(after) for n in iter_names(e)]
     handed = [n for n in dict.fromkeys(read_after) if n == "grad" or (n in assigned_before and n not in state_names
-                                                                        and n != barrier_stmt.target)]
-    source = call.args[0].id
-    if source not in state_names and source not in handed:
-        handed.insert(0, source)
+                                                                        and n not in targets)]
+    for b in stage:
+        source = b.value.args[0].id
+        if source not in state_names and source != "param" and source not in handed:
+            handed.insert(0, source)
     kept = {name: _fresh(KEPT_PREFIX + name, taken) for name in handed}
     transients = tuple(kept.values())
     tile_states = spec.states + tuple(ir.State(k, ir.Num(0.0)) for k in transients)
     tile_body = tuple(_rename_stmt(s, shape) for s in before) + tuple(
         ir.Assign(k, ir.Name(name)) for name, k in kept.items()) + _keep(
         ["param"] + [s.name for s in spec.states if s.name not in assigned_before])
-    tile = _phase(spec, TILE_SUFFIX, tile_body, tile_states, (), barrier_stmt.loc, tuple(shape.values()))
-    renamed = {**shape, **kept, barrier_stmt.target: "grad"}
+    loc = stage[0].loc
+    tile = _phase(spec, TILE_SUFFIX, tile_body, tile_states, (), loc, shape_keywords)
+    barriers = tuple(Barrier(b.value.func, b.target, kept.get(b.value.args[0].id, b.value.args[0].id),
+                             b.value.args[1:], b.loc) for b in stage)
+    matrix = next((b.target for b in barriers if not b.per_tensor), None)
+    renamed = {**shape, **kept}
+    post_grad = None
+    if matrix is not None:
+        renamed[matrix] = "grad"
+        post_grad = matrix
+    elif "grad" in kept:  # no matrix result: the post phase's grad is the gradient itself, handed over
+        post_grad = renamed.pop("grad")
+    else:  # nor the gradient: one transient it reads is its grad (read as an input, never written back)
+        reads = {n.id for e in _expressions(after) for n in iter_names(_rename(e, renamed))}
+        read = [k for k in transients if k in reads]
+        if len(read) == 1:
+            post_grad = read[0]
+            renamed = {**renamed, **{name: "grad" for name, k in kept.items() if k == post_grad}}
     post_body = tuple(_rename_stmt(s, renamed) for s in after)
     post_reads = {n.id for e in _expressions(post_body) for n in iter_names(e)}
     post_assigned = {s.target for s in assignments(post_body)}
     post_states = tuple(s for s in spec.states if s.name in post_reads | post_assigned) + tuple(
         ir.State(k, ir.Num(0.0)) for k in transients if k in post_reads)
     post_body += _keep([s.name for s in post_states if s.name not in post_assigned])
-    post = _phase(spec, POST_SUFFIX, post_body, post_states, (), barrier_stmt.loc, tuple(shape.values()))
-    source = kept.get(source, source)
-    barrier = Barrier(call.func, barrier_stmt.target, source, call.args[1:], barrier_stmt.loc)
-    return Plan(spec, tile, barrier, post, transients, shape)
+    results = tuple(b.target for b in barriers if b.per_tensor)
+    post = _phase(spec, POST_SUFFIX, post_body, post_states, (), loc, shape_keywords + results)
+    return Plan(spec, tile, barriers, post, transients, shape, post_grad)
 
 
 def _fresh(name: str, taken: set) -> str:
@@ -251,8 +287,9 @@ def _read_names(e: ir.Expr) -> set[str]:
 
 
 def _phase(spec: ir.Spec, suffix: str, body: tuple, states: tuple, scalars: tuple, loc: Loc,
-           shape_keywords: tuple[str, ...]) -> ir.Spec:
-    """One phase as a checked spec with its canonical text: the declarations its body reads, tuples flattened."""
+           given: tuple[str, ...]) -> ir.Spec:
+    """One phase as a checked spec with its canonical text: the declarations its body reads, tuples flattened, and
+    `given` (the weight's shape, the per-tensor barriers' results) as keywords of its own where it reads them."""
     reads = {n for e in _expressions(body) for n in _read_names(e)}
     reads |= {n for s in states if s.condition is not None for n in _read_names(s.condition)}
     derived = tuple(d for d in spec.derived if d.name in reads)
@@ -261,7 +298,7 @@ def _phase(spec: ir.Spec, suffix: str, body: tuple, states: tuple, scalars: tupl
     intervals = {g.name: g.interval for g in spec.groups}
     hypers = tuple(dataclasses.replace(h, group=None, index=None, interval=intervals.get(h.group, h.interval))
                    for h in spec.hypers if h.name in reads)
-    hypers += tuple(ir.Hyper(name, 1.0, ir.Interval(0.0, float("inf"))) for name in shape_keywords if name in reads)
+    hypers += tuple(ir.Hyper(name, 0.0) for name in given if name in reads)
     phase = ir.Spec(
         name=spec.name + suffix, doc=None, hypers=hypers, groups=(),
         flags=tuple(f for f in spec.flags if f.name in reads), derived=derived,

@@ -1,5 +1,5 @@
-"""Where a function of the whole weight (`names.BARRIER_FUNCTIONS`, e.g. `orthogonalize`) may stand in an update:
-the checker's rule, kept beside it so that `phases` can split the update there without checking again."""
+"""Where the functions of the whole weight (`names.BARRIER_FUNCTIONS`: `orthogonalize`, `norm`, ...) may stand in
+an update: the checker's rule, kept beside it so that `phases` can split the update there without checking again."""
 
 from __future__ import annotations
 
@@ -7,16 +7,18 @@ from typing import Iterator, Mapping
 
 from . import ir
 from .errors import SpecError
-from .names import BARRIER_FUNCTIONS
+from .names import BARRIER_FUNCTIONS, PER_TENSOR_FUNCTIONS
 from .variants import children, walk_statements
 
 __all__ = ["check_barrier_placement"]
 
 
 def check_barrier_placement(spec: ir.Spec, kinds: Mapping[str, str]) -> None:
-    """A function of the whole weight is the whole value of a statement of the update's own (not inside an 'if'),
-    once, assigning a temporary; `param` is assigned after it only (the weight is written once, by the last phase);
-    no scalar state. `kinds`: each declared or built-in name -> its kind, for messages.
+    """Functions of the whole weight stand together: each the whole value of a statement of the update's own (not
+    inside an 'if'), the statements one after another (the barrier stage, between the tile and the post phase),
+    each assigning a temporary of its own that nothing else assigns and no other of them reads, at most one of
+    them a matrix (`orthogonalize`); `param` is assigned after them only (the weight is written once, by the last
+    phase); no scalar state. `kinds`: each declared or built-in name -> its kind, for messages.
 
     Raises:
         SpecError: located at the call or statement that breaks the rule.
@@ -34,18 +36,36 @@ def check_barrier_placement(spec: ir.Spec, kinds: Mapping[str, str]) -> None:
             if call is not e or id(e) not in top:
                 raise error(f"{call.func}() reads the whole weight, so it must be the whole value of a statement of "
                             "its own, outside any 'if'", call.loc,
-                            hint=f"write 'o = {call.func}(...)' and use 'o' after it")
+                            hint=f"write 'r = {call.func}(...)' and use 'r' after it")
             seen.append(call)
-    if len(seen) > 1:
-        raise error("only one function of the whole weight per update is supported; this is the second", seen[1].loc)
     if not seen:
         return
-    func = seen[0].func
-    barrier = next(s for s in spec.body if isinstance(s, ir.Assign) and s.value is seen[0])
-    if barrier.target in kinds:
-        raise error(f"{func}() must assign a temporary, not {kinds[barrier.target]} '{barrier.target}'",
-                    barrier.target_loc, hint=f"'o = {func}(...)'")
-    for stmt in walk_statements(spec.body[:spec.body.index(barrier)]):
+    stage = [next(s for s in spec.body if isinstance(s, ir.Assign) and s.value is call) for call in seen]
+    first = spec.body.index(stage[0])
+    for i, stmt in enumerate(stage):
+        if spec.body.index(stmt) != first + i:
+            raise error(f"{stmt.value.func}() is not next to {stage[0].value.func}(): the functions of the whole "
+                        "weight run together, between the element-wise phases, so their statements follow one another",
+                        stmt.loc, hint="move the statements between them before or after them")
+    matrices = [s for s in stage if s.value.func not in PER_TENSOR_FUNCTIONS]
+    if len(matrices) > 1:
+        raise error("only one orthogonalize() per update is supported; this is the second", matrices[1].value.loc)
+    targets = {s.target for s in stage}
+    for stmt in stage:
+        func = stmt.value.func
+        if stmt.target in kinds:
+            raise error(f"{func}() must assign a temporary, not {kinds[stmt.target]} '{stmt.target}'",
+                        stmt.target_loc, hint=f"'r = {func}(...)'")
+        source = stmt.value.args[0]
+        if isinstance(source, ir.Name) and source.id in targets:
+            raise error(f"{func}() reads '{source.id}', the result of another function of the whole weight; each "
+                        "reads what the tile phase left (states, the weight, temporaries before them)", source.loc)
+    for stmt in walk_statements(spec.body):
+        if isinstance(stmt, ir.Assign) and stmt.target in targets and stmt not in stage:
+            raise error(f"'{stmt.target}' holds the result of a function of the whole weight and cannot be assigned "
+                        "again", stmt.target_loc, hint="assign to another temporary")
+    func = stage[0].value.func
+    for stmt in walk_statements(spec.body[:first]):
         if isinstance(stmt, ir.Assign) and stmt.target == "param":
             raise error(f"'param' is assigned before {func}(); the weight is written once, after it",
                         stmt.target_loc, hint="move every 'param = ...' after it (weight decay included)")

@@ -56,14 +56,22 @@ class PhasedUpdate:
 
     def finish(self, param: torch.Tensor, tile_state: Mapping[str, Any], cfg: StepConfig, *, step: int, seed: int,
                rounding: str) -> None:
-        """After `param`'s tile phase: the barrier on the whole weight, then the post phase (which writes it)."""
-        barrier = self.plan.barrier
-        if barrier is None:
+        """After `param`'s tile phase: the barriers on the whole weight, then the post phase (which writes it). A
+        per-tensor result is read back to the host (the post phase takes it as a keyword)."""
+        phases = self.plan
+        if phases.post is None:
             return
-        args = barrier_arguments(barrier, cfg.hypers, step, param.shape)
-        result = apply_barrier(barrier.func, tile_state[barrier.source], args)
-        elementwise_step(self.plan.post, param, result.contiguous(), dict(tile_state), step=step, seed=seed,
-                         rounding=rounding, **self.plan.keywords(self.plan.post, cfg.hypers, cfg.flags, param.shape))
+        values = {**tile_state, "param": param}
+        results: dict[str, float] = {}
+        for b in phases.barriers:
+            out = apply_barrier(b.func, values[b.source], barrier_arguments(b, cfg.hypers, step, param.shape))
+            if b.per_tensor:
+                results[b.target] = float(out)
+            else:
+                values[b.target] = out.contiguous()
+        grad = values[phases.post_grad] if phases.post_grad is not None else param
+        elementwise_step(phases.post, param, grad, dict(tile_state), step=step, seed=seed, rounding=rounding,
+                         **phases.keywords(phases.post, cfg.hypers, cfg.flags, param.shape, results))
 
 
 def phased_refusal(spec: ir.Spec, params: list[tuple[str, torch.Tensor]], *, state_dtype, max_grad_norm,
@@ -71,12 +79,13 @@ def phased_refusal(spec: ir.Spec, params: list[tuple[str, torch.Tensor]], *, sta
     """Why this optimizer cannot run `spec`'s phases (None: it can). `params` are (name, parameter) pairs."""
     phases = plan(spec)
     what = f"{spec.name} runs in phases (forge-gen --explain)"
-    if phases.barrier is not None and phases.barrier.func == "orthogonalize":
+    if any(b.func == "orthogonalize" for b in phases.barriers):
         for name, p in params:
             if p.dim() != 2:
-                return (f"{spec.name} orthogonalizes each update, so it steps only 2-D parameters (as torch.optim.Muon, "
-                        f"which refuses the same), but {name} has size {tuple(p.shape)}: give {spec.name} the "
-                        f"matrices (model_params=[...]) and the others to another optimizer (e.g. torch.optim.AdamW)")
+                return (f"{spec.name} orthogonalizes each update, so it steps only 2-D parameters (as "
+                        f"torch.optim.Muon, which refuses the same), but {name} has size {tuple(p.shape)}: give "
+                        f"{spec.name} the matrices (model_params=[...]) and the others to another optimizer (e.g. "
+                        "torch.optim.AdamW)")
     if max_grad_norm is not None or accumulation_steps > 1:
         return (f"{what}: max_grad_norm= and accumulation_steps= are not supported with it yet; construct the "
                 "optimizer with fuse=False and use torch.nn.utils.clip_grad_norm_ and .grad accumulation")
@@ -85,14 +94,12 @@ def phased_refusal(spec: ir.Spec, params: list[tuple[str, torch.Tensor]], *, sta
     if sharded_dp or any(tensor_parallel.is_dtensor(p) for _, p in params):
         return (f"{what}: sharded parameters (tensor parallelism, FSDP2) are not supported with it yet: its barrier "
                 "reads the whole weight, which a shard does not hold; use fuse=False")
-    source = phases.barrier.source if phases.barrier is not None else None
-    state = next((s for s in spec.states if s.name == source), None)
-    if state is not None:
-        for _ in params[:1]:
-            code = state_layout(spec, state, state_dtype)
-            if code not in ("fp32", "bf16"):
-                return (f"{what}: its {phases.barrier.func}() reads state '{source}' whole, which the {code} layout "
-                        f"does not hold as numbers; keep it fp32 or bf16 (state_dtype={{'{source}': 'fp32'}})")
+    for b in phases.barriers:
+        state = next((s for s in spec.states if s.name == b.source), None)
+        code = state_layout(spec, state, state_dtype) if state is not None else "fp32"
+        if code not in ("fp32", "bf16"):
+            return (f"{what}: its {b.func}() reads state '{b.source}' whole, which the {code} layout does not hold "
+                    f"as numbers; keep it fp32 or bf16 (state_dtype={{'{b.source}': 'fp32'}})")
     return None
 
 

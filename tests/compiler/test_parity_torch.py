@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import forge_dsl
-from references import LionFormula
+from references import LambFormula, LionFormula
 
 REL_TOL = 1e-10
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -155,6 +155,13 @@ def test_muon(lr, momentum, wd, nesterov, ns_steps, eps, shape, seed, steps):
     kw = dict(lr=lr, momentum=momentum, weight_decay=wd, nesterov=nesterov, ns_steps=ns_steps, eps=eps,
               ns_coefficients=(3.4445, -4.775, 2.0315))
     run_against("muon", torch.optim.Muon, kw, ["momentum_buffer"], shape, seed, steps)
+
+
+@SETTINGS
+@given(lr=lr, b1=unit, b2=unit, eps=eps, wd=small, shape=shape, seed=seed, steps=steps)
+def test_lamb(lr, b1, b2, eps, wd, shape, seed, steps):
+    kw = dict(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    run_against("lamb", LambFormula, kw, ["exp_avg", "exp_avg_sq"], shape, seed, steps)
 
 
 def test_every_builtin_has_a_parity_test():

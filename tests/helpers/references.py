@@ -26,6 +26,33 @@ class LionFormula(torch.optim.Optimizer):
                 m.mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
+class LambFormula(torch.optim.Optimizer):
+    """LAMB as You et al. (ICLR 2020) write it in Algorithm 2 (phi the identity; a trust ratio of 1 where either
+    norm is zero), independent of the DSL."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                t = state["step"] = state.get("step", 0) + 1
+                m = state.setdefault("exp_avg", torch.zeros_like(p))
+                v = state.setdefault("exp_avg_sq", torch.zeros_like(p))
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                r = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
+                u = r + group["weight_decay"] * p
+                w_norm, u_norm = p.norm(), u.norm()
+                trust = (w_norm / u_norm).item() if w_norm > 0 and u_norm > 0 else 1.0
+                p.add_(u, alpha=-group["lr"] * trust)
+
+
 # Adamax as a user would write it: a new optimizer needs no compiler change.
 ADAMAX = """
 # Adamax (Kingma & Ba, 2015, section 7.1), as torch.optim.Adamax computes it.

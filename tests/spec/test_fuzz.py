@@ -42,7 +42,7 @@ from forge_dsl.compiler.codegen import render_module
 from forge_dsl.spec.errors import SpecError
 from forge_dsl.compiler import loader as compiled
 from forge_dsl.spec.parser import parse_spec
-from forge_dsl.spec.phases import is_phased
+from forge_dsl.spec.phases import is_phased, plan
 
 from fuzz_kernels import KernelMismatch, check_kernel, forget_module
 from repo import ROOT
@@ -146,11 +146,13 @@ def load_spec_or_spec_error(text: str):
     STATS["texts"] += 1
     try:
         spec = check_spec(parse_spec(text, "fuzz.fopt"))
+        modules = plan(spec).phases if is_phased(spec) else (spec,)  # a spec in phases: a module per phase
     except SpecError as err:
         assert str(err).startswith("fuzz.fopt:") or not err.loc
         return None
     STATS["loaded"] += 1
-    _render_and_compile(spec)
+    for module in modules:
+        _render_and_compile(module)
     return spec
 
 
@@ -169,7 +171,7 @@ def load_first_and_check_kernel(texts, seed: int) -> None:
     reference (`fuzz_kernels.check_kernel`; each distinct spec once)."""
     for text in texts:
         spec = load_spec_or_spec_error(text)
-        if spec is not None:
+        if spec is not None and not is_phased(spec):  # the kernel check runs one element-wise kernel
             break
     else:
         return

@@ -10,7 +10,9 @@ import forge_dsl
 from forge_dsl import ForgeOptimizer, kernels
 from forge_dsl.compiler import forge_gen
 from forge_dsl.spec.phases import plan
-from training_models import DEVICE, llama_batches, llama_loss, make_llama, mlp_batches, mlp_loss, rel_err, twin
+from references import LambFormula
+from training_models import (DEVICE, assert_params_close, llama_batches, llama_loss, make_llama, make_mlp,
+                             mlp_batches, mlp_loss, rel_err, twin)
 
 MUON = dict(lr=0.02, weight_decay=0.05, momentum=0.9, ns_steps=4, eps=1e-6, ns_coefficients=(3.0, -4.0, 2.0))
 # Newton-Schulz runs in bfloat16 (torch.optim.Muon's definition): an input one fp32 rounding apart (the kernels'
@@ -124,6 +126,42 @@ def test_embedding_is_stepped_from_grad():
     assert_updates_close(ours, theirs, start)
 
 
+LAMB = dict(lr=5e-3, betas=(0.8, 0.99), eps=1e-5, weight_decay=0.05)
+
+
+@pytest.mark.parametrize("path", ["fused", "slab", "step"])
+def test_lamb_equals_the_papers_algorithm(path):
+    """Ten steps of an MLP with biases and a LayerNorm (stepped from .grad, in phases too) against LAMB as the
+    paper writes it (tests/helpers/references.py): fp32 throughout, so to fp32's precision."""
+    theirs = make_mlp()
+    ours = twin(theirs, make_mlp)
+    ref = LambFormula(theirs.parameters(), **LAMB)
+    fuse = path != "step"
+    opt = ForgeOptimizer(ours, "lamb", fuse=fuse, linear_path=path if fuse else "auto", **LAMB)
+    assert len(opt._handles) == (3 if fuse else 0)  # its three Linear weights
+    batches = mlp_batches(10)
+    run(theirs, ref, batches, mlp_loss)
+    run(ours, opt, batches, mlp_loss)
+    assert_params_close(ours, theirs)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert rel_err(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"]) <= 1e-5
+
+
+def test_lamb_on_a_tiny_llama():
+    """The whole model in one LAMB (embeddings stepped from .grad, the Linears and the head fused)."""
+    theirs = make_llama()
+    ours = twin(theirs, make_llama)
+    ref = LambFormula(theirs.parameters(), **LAMB)
+    opt = ForgeOptimizer(ours, "lamb", **LAMB)
+    assert opt._handles  # the Linears are fused
+    for ids in llama_batches(6):
+        for model, o in ((theirs, ref), (ours, opt)):
+            o.zero_grad()
+            llama_loss(model, ids).backward()
+            o.step()
+    assert_params_close(ours, theirs)
+
+
 OWN = """
 optimizer own
 hyper lr = 1e-3 in [0, inf)
@@ -149,11 +187,12 @@ def test_a_spec_of_ones_own_plans_its_transients(tmp_path):
     over; the shape reaches both phases as keywords of their own."""
     spec = forge_dsl.load_spec(own_spec(tmp_path))
     phases = plan(spec)
-    assert phases.barrier.source == "buf" and phases.transients == ("kept_grad",)
+    (barrier,) = phases.barriers
+    assert barrier.source == "buf" and phases.transients == ("kept_grad",)
     assert [s.name for s in phases.post.states] == ["kept_grad"]
     assert {h.name for h in phases.post.hypers} == {"lr", "n_rows", "n_cols"}
     text = plan(spec).describe()
-    assert "2. orthogonalize(buf)" in text and "kept_grad" in text and "4 bytes per weight element" in text
+    assert "2. o = orthogonalize(buf)" in text and "kept_grad" in text and "4 bytes per weight element" in text
 
 
 def test_a_spec_of_ones_own_equals_its_formula(tmp_path):
