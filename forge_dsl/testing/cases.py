@@ -32,6 +32,7 @@ from ..api import init_state, load_spec
 from ..kernels.layouts import is_quantized
 from ..reference import reference_step
 from ..spec import ir
+from ..spec.phases import plan
 from .bounds import (
     FP32_REL_TOL,
     RoundingMean,
@@ -211,11 +212,27 @@ class _Worst:
         return CaseResult(case, not self.failed, self.error, self.bound, self.step, self.where, note)
 
 
+PHASE_MARK = "#"  # a case's spec "muon#tile": the tile (or post) phase of a spec that runs in phases
+
+
+def load_case_spec(ref: str) -> ir.Spec:
+    """A case's spec: a built-in name or a .fopt path, or either with '#tile' / '#post', that phase of a spec
+    that runs in phases (`spec.phases.plan`)."""
+    base, mark, phase = ref.rpartition(PHASE_MARK)
+    if mark and phase in ("tile", "post"):
+        phases = plan(load_spec(base))
+        chosen = phases.tile if phase == "tile" else phases.post
+        if chosen is None:
+            raise ValueError(f"{base} has no {phase} phase")
+        return chosen
+    return load_spec(ref)
+
+
 def run_case(case: Case) -> CaseResult:
     """Run one case (see the module docstring); never raises for what the kernels or the reference do:
     an exception is a failed result that names it."""
     try:
-        spec = load_spec(case.spec)
+        spec = load_case_spec(case.spec)
         if case.check == "against":
             return _run_against(case, spec)
         if case.check == "chain":

@@ -4,6 +4,7 @@
     forge-test my_opt.fopt                            # a user spec, the full sweep (several minutes)
     forge-test adamw --against torch.optim:AdamW      # also the reference step against a torch.optim class
     forge-test adamw --against torch.optim:AdamW --reference-only
+    forge-test muon --quick                           # a spec in phases: each phase (muon#tile, muon#post)
 
 Prints one line per case (spec, path, check, flags on, layout, weights, shape, worst error, bound,
 verdict) and, for the first failure, what failed and Python lines that rerun it. Exit status: 0 when
@@ -87,13 +88,13 @@ def _main(args) -> int:
         except SpecError as err:
             print(err, file=sys.stderr)
             return 1
-    from ..spec.phases import is_phased
-    phased = [s.name for s in specs if is_phased(s)]
-    if phased:
-        raise UsageError(f"{', '.join(phased)} runs in phases (forge-gen --explain): forge-test does not sweep "
-                         "specs in phases yet (nor draw their whole-number keywords); tests/compiler/"
-                         "test_parity_torch.py checks muon's reference step and tests/training/test_phases.py its "
-                         "kernels against torch.optim.Muon")
+    from ..spec.phases import is_phased, plan
+    if args.against is not None and any(is_phased(s) for s in specs):
+        raise UsageError("--against compares a spec's reference with a torch optimizer on drawn keywords; for a spec "
+                         "in phases (forge-gen --explain) tests/compiler/test_parity_torch.py does (muon, lamb)")
+    # a spec in phases: the kernels of each phase against that phase's reference ("muon#tile", "muon#post")
+    names = [ref for name, s in zip(args.specs, specs)
+             for ref in ([f"{name}#{p.name.rsplit('_', 1)[1]}" for p in plan(s).phases] if is_phased(s) else [name])]
     progress = _progress if args.verbose else None
     threads = torch.get_num_threads()
     if args.device == "cpu":
@@ -102,7 +103,7 @@ def _main(args) -> int:
         torch.set_num_threads(1)
     report = Report()
     try:
-        for name in args.specs:
+        for name in names:
             if not args.reference_only:
                 report.extend(_run(plan_kernel_cases(name, quick=args.quick, steps=args.steps, device=args.device,
                                                      seed=args.seed), progress))

@@ -269,7 +269,12 @@ def test_forge_gen_writes_a_module_per_phase_and_explains(tmp_path, capsys):
     assert not (tmp_path / "own_tile.py").exists()  # --explain writes nothing
 
 
-def test_forge_test_refuses_a_spec_in_phases_by_name(capsys):
+def test_forge_test_sweeps_each_phase(capsys):
+    """forge-test on a spec in phases: the kernels of each phase against that phase's reference, each case named
+    "muon#tile" / "muon#post" (a failure's reproducer reruns it from that name)."""
     from forge_dsl.testing import cli
-    assert cli.main(["muon", "--quick"]) == 2
-    assert "muon runs in phases" in capsys.readouterr().err
+    assert cli.main(["muon", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "muon#tile" in out and "muon#post" in out and ", 0 failed" in out
+    assert cli.main(["lamb", "--against", "torch.optim:AdamW", "--reference-only"]) == 2  # no torch twin to draw
+    assert "--against" in capsys.readouterr().err
