@@ -21,6 +21,10 @@ and on, AdamW (lr 1e-5, torch defaults otherwise) run by:
     torch-adamw-accum2          torch-adamw after 2 micro-batches (forward, backward of loss / 2) summed in .grad;
     forge-bf16-accum2,          ForgeOptimizer(..., accumulation_steps=2) with an fp32 / bf16 buffer: the 2nd
     forge-bf16-accum2-bf16      backward updates (not in the default list; a row's step is both micro-batches)
+    torch-muon                  torch.optim.Muon on the blocks' 2-D weights + AdamW(fused) on the rest, from .grad
+    forge-muon,                 ForgeOptimizer(model, "muon", model_params=<those>) (momentum fp32 / bf16) +
+    forge-muon-bf16             ForgeOptimizer(model, "adamw", model_params=<the rest>, state_dtype="bf16"): every
+                                weight updated in backward (issue M's measurement; not in the default list)
 
 With `--offload on`, each forward runs within a `forge_dsl.OffloadActivations`: the checkpointed layers' inputs
 (and any other saved tensor of 1 MiB or more) wait for backward in pinned host memory; the table's checkpointing

@@ -4,7 +4,7 @@ A `Method` is a name and an `attach(model)` that builds the optimizer on the mod
 each backward (`loss.backward()`, or the returned callable's `.backward(loss)` where it has one: FORGE's
 clipping), with the step's number of micro-batches (`micro_batches`: the *-accum methods run forward and backward
 that many times a step); `METHODS` is the default list, `PATH_METHODS` the FORGE variants pinned to one linear
-path or with reused launches off, and issue L's clipping and accumulation, `ALL_METHODS` both.
+path or with reused launches off, issue L's clipping and accumulation and issue M's Muon, `ALL_METHODS` both.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..training import tensor_parallel
 from .parallel import FSDP_METHODS
 
 __all__ = ["ACCUMULATION_STEPS", "ALL_METHODS", "LR", "MAX_GRAD_NORM", "METHODS", "Method", "PATH_METHODS",
-           "SINGLE_GPU_METHODS", "TP_METHODS", "backward", "micro_batches"]
+           "SINGLE_GPU_METHODS", "TP_METHODS", "backward", "hidden_matrices", "micro_batches"]
 
 LR = 1e-5
 MAX_GRAD_NORM = 1.0  # the *-clip methods' (Hugging Face Trainer's default)
@@ -144,6 +144,37 @@ def _forge(state_dtype: str, linear_path: str = "auto", max_grad_norm: Optional[
     return attach
 
 
+def hidden_matrices(model) -> tuple[list, list]:
+    """(the transformer blocks' 2-D weights, every other parameter): Muon's share and AdamW's, as Muon's authors
+    and torch's docs split a model (embeddings, the head and the norms to AdamW)."""
+    hidden, rest = [], []
+    for name, p in model.named_parameters():
+        (hidden if p.dim() == 2 and ".layers." in f".{name}" else rest).append(p)
+    return hidden, rest
+
+
+def _torch_muon(model):
+    """torch.optim.Muon (its defaults but lr) on the hidden matrices, AdamW(fused=True) on the rest: the recipe
+    FORGE's Muon is timed against (issue M)."""
+    hidden, rest = hidden_matrices(model)
+    return _stepper(torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR, fused=True))
+
+
+def _forge_muon(state_dtype: str):
+    """FORGE's muon (momentum in `state_dtype`) on the hidden matrices, FORGE AdamW on the rest: two optimizers
+    on one model, every weight updated without its gradient stored."""
+    def attach(model, head: bool = False):
+        hidden, rest = hidden_matrices(model)
+        muon = forge_dsl.ForgeOptimizer(model, "muon", model_params=hidden, state_dtype=state_dtype, lr=LR)
+        adamw = forge_dsl.ForgeOptimizer(model, "adamw", model_params=rest, state_dtype="bf16", lr=LR,
+                                         lm_head_loss=head)
+        finish = _stepper(muon, adamw)
+        finish.close = lambda: (muon.detach(), adamw.detach())  # the model's forwards given back
+        return finish
+
+    return attach
+
+
 def _forge_checked(state_dtype: str):
     """FORGE with every launch checked (`forge_dsl.kernels.reuse` off): the host path before v14."""
     def attach(model, head: bool = False):
@@ -197,6 +228,10 @@ PATH_METHODS = {m.name: m for m in (
     Method("torch-adamw-accum2", _torch_adamw_accum),
     Method("forge-bf16-accum2", _forge("bf16", accumulation_dtype="fp32"), fused_head=True),
     Method("forge-bf16-accum2-bf16", _forge("bf16", accumulation_dtype="bf16"), fused_head=True),
+    # Muon on the hidden matrices, AdamW on the rest (issue M): torch.optim's from .grad against FORGE's in backward
+    Method("torch-muon", _torch_muon),
+    Method("forge-muon", _forge_muon("fp32"), fused_head=True),
+    Method("forge-muon-bf16", _forge_muon("bf16"), fused_head=True),
     *(Method(f"forge-{state}-{path}", _forge(state, path), fused_head=True)
       for state in ("bf16", "int8") for path in ("fused", "slab")),
     *(Method(f"forge-{state}-checked", _forge_checked(state), fused_head=True) for state in ("bf16", "int8")),

@@ -1045,6 +1045,35 @@ def test_model_clip_methods_clip_as_torch():
         opt.detach()
 
 
+def test_model_muon_methods_step_as_torch_muon():
+    """forge-muon (FORGE's muon on the blocks' matrices, FORGE AdamW on the rest, both in backward) against
+    torch-muon (torch.optim.Muon + AdamW(fused) from .grad) on the fp32 tiny model: two steps end together to
+    bfloat16's precision (Newton-Schulz is bf16 in both: tests/training/test_phases.py)."""
+    from forge_dsl.bench import model_methods
+
+    net = tiny_bench_model(seed=7).float()
+    reference = copy.deepcopy(net)
+    start = copy.deepcopy(net)
+    forge = model.ALL_METHODS["forge-muon"].attach(net)
+    ref = model.ALL_METHODS["torch-muon"].attach(reference)
+    hidden, rest = model_methods.hidden_matrices(net)
+    assert hidden and rest and all(p.dim() == 2 for p in hidden)
+    assert len(forge.optimizer._handles) == len(hidden)  # every hidden matrix updated in backward by muon
+    assert "forward" in vars(net.model.layers[0].mlp.up_proj)  # FORGE's forward installed
+    try:
+        for step in range(2):
+            ids = tiny_ids(seed=40 + step)
+            model.train_step(net, ids, forge, "transformers")
+            model.train_step(reference, ids, ref, "transformers")
+        for (n, p), p_ref, p0 in zip(net.named_parameters(), reference.parameters(), start.parameters()):
+            moved, moved_ref = (p - p0).detach(), (p_ref - p0).detach()
+            assert moved.norm() > 0, n
+            assert (moved - moved_ref).norm() <= 1e-2 * moved_ref.norm(), n
+    finally:
+        forge.close()
+    assert "forward" not in vars(net.model.layers[0].mlp.up_proj)  # close() gave the forwards back
+
+
 def test_model_accumulation_methods_accumulate_as_torch():
     """forge-bf16-accum2 (fp32 buffer) runs ACCUMULATION_STEPS forward and backward passes of loss / k per step,
     the last of which updates: on the fp32 tiny model two steps end where torch-adamw-accum2's do (.grad summed
