@@ -167,7 +167,8 @@ def test_nan_norm_makes_every_update_nan_as_torch():
     """A NaN in the gradient: the norm is NaN, the coefficient NaN, every clipped gradient NaN: torch's AdamW then
     writes NaN into every parameter, and so does FORGE."""
     def poison(model):
-        return model.mid.register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([3]), math.nan))
+        return model.mid.register_forward_hook(
+            lambda m, i, out: out.index_fill(-1, torch.tensor([3], device=out.device), math.nan))
 
     ours, theirs, norm, ref_norm = _nonfinite_runs(poison)
     assert math.isnan(norm.item()) and math.isnan(ref_norm.item())
@@ -180,7 +181,7 @@ def test_infinite_norm_as_torch():
     """An infinite gradient element: the norm is inf, the coefficient 0: inf * 0 = NaN where the gradient is
     infinite, 0 elsewhere (AdamW then only decays those weights, fused ones included), in torch and in FORGE."""
     def poison(model):
-        return model.down.bias.register_hook(lambda g: g.index_fill(0, torch.tensor([5]), math.inf))
+        return model.down.bias.register_hook(lambda g: g.index_fill(0, torch.tensor([5], device=g.device), math.inf))
 
     ours, theirs, norm, ref_norm = _nonfinite_runs(poison)
     assert norm.item() == math.inf and ref_norm.item() == math.inf
