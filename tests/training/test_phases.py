@@ -278,3 +278,50 @@ def test_forge_test_sweeps_each_phase(capsys):
     assert "muon#tile" in out and "muon#post" in out and ", 0 failed" in out
     assert cli.main(["lamb", "--against", "torch.optim:AdamW", "--reference-only"]) == 2  # no torch twin to draw
     assert "--against" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, kw", [("muon", MUON), ("lamb", LAMB)])
+def test_compiled_steps_equal_eager_steps(name, kw):
+    """Under torch.compile (aot_eager, fullgraph) the phases run inside the fused op's backward: the same bits as
+    eager."""
+    torch._dynamo.reset()
+    eager = make_matrices()
+    compiled = twin(eager, make_matrices)
+    opt_eager = ForgeOptimizer(eager, name, **kw)
+    opt_compiled = ForgeOptimizer(compiled, name, **kw)
+    runner = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    batches = mlp_batches(3)
+    run(eager, opt_eager, batches, mlp_loss)
+    run(runner, opt_compiled, batches, mlp_loss)
+    torch._dynamo.reset()
+    for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(p, q), n
+    assert {int(s["step"]) for s in opt_compiled.state.values()} == {3}
+
+
+@pytest.mark.parametrize("name, kw", [("muon", MUON), ("lamb", LAMB)])
+def test_state_dict_round_trip_continues_the_run(name, kw):
+    """Three steps, save, load into a new optimizer on a copy, three more: the same weights as six steps in one
+    run; the state dict holds the spec's states, never a transient."""
+    batches = mlp_batches(6)
+    straight = make_matrices()
+    resumed = twin(straight, make_matrices)
+    opt = ForgeOptimizer(straight, name, **kw)
+    run(straight, opt, batches, mlp_loss)
+    first = ForgeOptimizer(resumed, name, **kw)
+    run(resumed, first, batches[:3], mlp_loss)
+    saved = first.state_dict()
+    assert all(not k.startswith("kept_") for entry in saved["state"].values() for k in entry)
+    first.detach()
+    second = ForgeOptimizer(resumed, name, **kw)
+    second.load_state_dict(saved)
+    run(resumed, second, batches[3:], mlp_loss)
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_lm_head_loss_is_refused_before_anything_is_installed():
+    model = make_llama()
+    with pytest.raises(ValueError, match=r"lamb runs in phases.*lm_head_loss=True is not supported with it yet"):
+        ForgeOptimizer(model, "lamb", lm_head_loss=True)
+    assert "forward" not in vars(model.model.layers[0].mlp.up_proj) and "forward" not in vars(model)

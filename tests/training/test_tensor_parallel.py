@@ -97,3 +97,21 @@ def test_clipping_and_accumulation_are_refused_with_tensor_parallelism(tmp_path,
                                              r".*fuse=False"):
             ForgeOptimizer(model, "adamw", **kwargs)
         assert "forward" not in model.up.__dict__
+
+
+@pytest.mark.parametrize("name", ["muon", "lamb"])
+def test_specs_in_phases_refuse_sharded_weights(tmp_path, name):
+    """A barrier reads the whole weight, which a shard does not hold: a spec in phases (spec/phases.py) refuses
+    DTensor parameters when the optimizer is built, before anything is installed (one process, a one-rank mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch import nn
+
+    from forge_dsl import ForgeOptimizer
+
+    with one_process_group(tmp_path):
+        model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 40, bias=False))
+        parallelize_module(model[0], init_device_mesh("cpu", (1,)), ColwiseParallel())
+        with pytest.raises(ValueError, match=r"runs in phases.*sharded parameters .*not supported with it yet"):
+            ForgeOptimizer(model, name)
+        assert "forward" not in model[0].__dict__ and "forward" not in model[1].__dict__
