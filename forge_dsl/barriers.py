@@ -5,9 +5,13 @@ One home for their arithmetic: the reference step and the optimizer's runtime bo
 
 from __future__ import annotations
 
+from typing import Mapping, Optional
+
 import torch
 
-__all__ = ["apply_barrier", "orthogonalize", "reduce_whole"]
+from .spec.phases import Plan, barrier_arguments
+
+__all__ = ["apply_barrier", "orthogonalize", "reduce_whole", "run_stage"]
 
 MAX_NS_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100
 
@@ -64,3 +68,29 @@ def apply_barrier(func: str, x: torch.Tensor, args: tuple[float, ...]) -> torch.
     if func == "orthogonalize":
         return orthogonalize(x, *args)
     return reduce_whole(func, x)
+
+
+def run_stage(phases: Plan, values: Mapping[str, torch.Tensor], hypers: Mapping[str, Optional[float]],
+              step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """A plan's barrier stage after one weight's tile phase, then what its post phase reads.
+
+    Args:
+        phases: the spec's plan (with a post phase).
+        values: `param` [*shape] and the tile phase's states and transients by name, each [*shape].
+        hypers: the spec's resolved keywords (`StepConfig.hypers`).
+        step: this step's number.
+
+    Returns:
+        (the post phase's grad [*shape]: the matrix result, else the value it names, else `param` where it reads
+        none; the per-tensor results by target, read back to the host as Python floats).
+    """
+    param = values["param"]
+    values = dict(values)
+    results: dict[str, float] = {}
+    for b in phases.barriers:
+        out = apply_barrier(b.func, values[b.source], barrier_arguments(b, hypers, step, param.shape))
+        if b.per_tensor:
+            results[b.target] = float(out)
+        else:
+            values[b.target] = out.contiguous()
+    return (values[phases.post_grad] if phases.post_grad is not None else param), results

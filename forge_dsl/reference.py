@@ -13,10 +13,10 @@ from typing import Any, Mapping, MutableMapping, Optional, Union
 
 import torch
 
-from .barriers import apply_barrier
+from .barriers import run_stage
 from .compiler.lowering import Lowered, Operand, lower
 from .spec import ir
-from .spec.phases import barrier_arguments, is_phased, plan
+from .spec.phases import is_phased, plan
 from .spec.keywords import StepConfig, check_step, resolve_hypers
 from .spec.loading import load_spec
 from .spec.scalar_ops import apply_scalar_op
@@ -270,15 +270,8 @@ def _phased_step(spec: ir.Spec, cfg, param: torch.Tensor, grad: torch.Tensor, st
                    **phases.keywords(phases.tile, cfg.hypers, cfg.flags, param.shape))
     if phases.post is None:
         return
-    values = {**held, "param": param}
-    results: dict[str, float] = {}
-    for b in phases.barriers:
-        out = apply_barrier(b.func, values[b.source], barrier_arguments(b, cfg.hypers, step, param.shape))
-        if b.per_tensor:
-            results[b.target] = float(out)
-        else:
-            values[b.target] = out.to(param.dtype)
-    post_grad = values[phases.post_grad] if phases.post_grad is not None else param
+    post_grad, results = run_stage(phases, {**held, "param": param}, cfg.hypers, step)
+    post_grad = post_grad.to(param.dtype)
     post_state = {s.name: held[s.name] for s in phases.post.states}
     reference_step(phases.post, param, post_grad, post_state, step=step, weight_dtype=weight_dtype,
                    **phases.keywords(phases.post, cfg.hypers, cfg.flags, param.shape, results))

@@ -3,12 +3,12 @@ an update: the checker's rule, kept beside it so that `phases` can split the upd
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Mapping
 
 from . import ir
 from .errors import SpecError
 from .names import BARRIER_FUNCTIONS, PER_TENSOR_FUNCTIONS
-from .variants import children, walk_statements
+from .variants import iter_calls, walk_statements
 
 __all__ = ["check_barrier_placement"]
 
@@ -30,7 +30,7 @@ def check_barrier_placement(spec: ir.Spec, kinds: Mapping[str, str]) -> None:
     seen: list[ir.Call] = []
     for stmt in walk_statements(spec.body):
         e = stmt.condition if isinstance(stmt, ir.If) else stmt.value
-        for call in _calls(e):
+        for call in iter_calls(e):
             if call.func not in BARRIER_FUNCTIONS:
                 continue
             if call is not e or id(e) not in top:
@@ -71,13 +71,3 @@ def check_barrier_placement(spec: ir.Spec, kinds: Mapping[str, str]) -> None:
                         stmt.target_loc, hint="move every 'param = ...' after it (weight decay included)")
     if spec.scalars:
         raise error(f"a spec with {func}() cannot have scalar state yet", spec.scalars[0].loc)
-
-
-def _calls(expr: ir.Expr) -> Iterator[ir.Call]:
-    """Every call in `expr`, outermost first."""
-    stack = [expr]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, ir.Call):
-            yield e
-        stack.extend(reversed(children(e)))

@@ -20,7 +20,7 @@ from .scalar_ops import apply_scalar_op
 
 __all__ = ["Combo", "combinations", "runtime_flags", "variants", "variant_of", "describe_combo", "evaluate",
            "eval_static", "specialize", "states_present", "walk_statements", "assignments", "children",
-           "iter_names"]
+           "iter_calls", "iter_names", "walk"]
 
 Combo = tuple[tuple[str, bool], ...]
 
@@ -145,11 +145,20 @@ def children(expr: ir.Expr) -> tuple[ir.Expr, ...]:
     return ()
 
 
-def iter_names(expr: ir.Expr) -> Iterator[ir.Name]:
-    """Every name `expr` reads, left to right."""
+def walk(expr: ir.Expr) -> Iterator[ir.Expr]:
+    """`expr` and every expression it is made of, outermost first, left to right."""
     stack = [expr]
     while stack:
         e = stack.pop()
-        if isinstance(e, ir.Name):
-            yield e
+        yield e
         stack.extend(reversed(children(e)))
+
+
+def iter_names(expr: ir.Expr) -> Iterator[ir.Name]:
+    """Every name `expr` reads, left to right."""
+    return (e for e in walk(expr) if isinstance(e, ir.Name))
+
+
+def iter_calls(expr: ir.Expr) -> Iterator[ir.Call]:
+    """Every call in `expr`, outermost first."""
+    return (e for e in walk(expr) if isinstance(e, ir.Call))

@@ -20,11 +20,11 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..api import state_layout
-from ..barriers import apply_barrier
+from ..barriers import run_stage
 from ..kernels.steps import step as elementwise_step
 from ..spec import ir
 from ..spec.keywords import StepConfig
-from ..spec.phases import barrier_arguments, plan
+from ..spec.phases import plan
 from . import tensor_parallel
 
 __all__ = ["PhasedUpdate", "check_and_unfuse_rows", "phased_refusal"]
@@ -61,15 +61,7 @@ class PhasedUpdate:
         phases = self.plan
         if phases.post is None:
             return
-        values = {**tile_state, "param": param}
-        results: dict[str, float] = {}
-        for b in phases.barriers:
-            out = apply_barrier(b.func, values[b.source], barrier_arguments(b, cfg.hypers, step, param.shape))
-            if b.per_tensor:
-                results[b.target] = float(out)
-            else:
-                values[b.target] = out.contiguous()
-        grad = values[phases.post_grad] if phases.post_grad is not None else param
+        grad, results = run_stage(phases, {**tile_state, "param": param}, cfg.hypers, step)
         elementwise_step(phases.post, param, grad, dict(tile_state), step=step, seed=seed, rounding=rounding,
                          **phases.keywords(phases.post, cfg.hypers, cfg.flags, param.shape, results))
 
