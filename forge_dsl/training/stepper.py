@@ -205,7 +205,10 @@ class ParamStepper:
         changed by then (layout, device, shape, dtype, the group's keywords): a fused weight's state is then never
         allocated inside backward, where `torch.compile(mode="reduce-overhead")` would allocate it from its CUDA
         graphs' memory pool. Not for a spec with a state that starts from the weight's values (they may still
-        change before the first step) nor for a parameter that has state."""
+        change before the first step) nor for a parameter that has state. A spec in phases gets the transients of
+        `p`'s shape here too (`phased.PhasedUpdate.tile_state`), for the same reason."""
+        if self.phased is not None:
+            self.phased.tile_state(tensor_parallel.local(p), {})
         if self.state.get(p) or p in self._prepared or any(s.starts_from_param for s in self.spec.states):
             return
         group = self.group_of[p]

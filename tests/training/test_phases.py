@@ -325,3 +325,17 @@ def test_lm_head_loss_is_refused_before_anything_is_installed():
     with pytest.raises(ValueError, match=r"lamb runs in phases.*lm_head_loss=True is not supported with it yet"):
         ForgeOptimizer(model, "lamb", lm_head_loss=True)
     assert "forward" not in vars(model.model.layers[0].mlp.up_proj) and "forward" not in vars(model)
+
+
+def test_transients_are_allocated_before_any_backward():
+    """The transients of each fused weight's shape exist once the optimizer is built (as its state does), so that
+    a compiled backward's CUDA graphs never allocate them from their pool; one set per shape, shared by layers."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32, bias=False) for _ in range(3)),
+                                torch.nn.Linear(32, 48, bias=False)).to(DEVICE)
+    opt = ForgeOptimizer(model, "muon")
+    scratch = opt._stepper.phased._scratch
+    assert sorted(shape for shape, _ in scratch) == [(32, 32), (48, 32)]
+    assert all(set(t) == {"kept_u"} and t["kept_u"].dtype == torch.float32 for t in scratch.values())
+    before = {key: t["kept_u"].data_ptr() for key, t in scratch.items()}
+    run(model, opt, [(torch.randn(4, 32, device=DEVICE), None)], lambda m, b: m(b[0]).square().mean())
+    assert {key: t["kept_u"].data_ptr() for key, t in scratch.items()} == before  # reused, not reallocated
