@@ -268,7 +268,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             candidates = phased.check_and_unfuse_rows(self.spec, list(self._param_index), self._names, candidates,
                                                       state_dtype=state_dtype, max_grad_norm=self.max_grad_norm,
                                                       accumulation_steps=self.accumulation_steps,
-                                                      lm_head_loss=lm_head_loss, sharded_dp=sharded_dp)
+                                                      lm_head_loss=lm_head_loss or any(
+                                                          installer.head_loss_model(p) is not None
+                                                          for p in self._param_index), sharded_dp=sharded_dp)
         sharded = next((p for p in self._param_index if tensor_parallel.is_dtensor(p)), None)
         if (sharded is not None and not sharded_dp and
                 (self.max_grad_norm is not None or self.accumulation_steps > 1)):

@@ -320,10 +320,16 @@ def test_state_dict_round_trip_continues_the_run(name, kw):
         assert torch.equal(p, q), n
 
 
-def test_lm_head_loss_is_refused_before_anything_is_installed():
+@pytest.mark.parametrize("how", ["module", "fuse"])
+def test_lm_head_loss_is_refused_before_anything_is_installed(how):
+    """Asked for with the model (`lm_head_loss=True`) or by `forge_dsl.fuse(model, lm_head_loss=True)` before a
+    params-first optimizer: refused when it is built (the head's update comes a block of rows at a time)."""
     model = make_llama()
     with pytest.raises(ValueError, match=r"lamb runs in phases.*lm_head_loss=True is not supported with it yet"):
-        ForgeOptimizer(model, "lamb", lm_head_loss=True)
+        if how == "module":
+            ForgeOptimizer(model, "lamb", lm_head_loss=True)
+        else:
+            ForgeOptimizer(forge_dsl.fuse(model, lm_head_loss=True).parameters(), "lamb")
     assert "forward" not in vars(model.model.layers[0].mlp.up_proj) and "forward" not in vars(model)
 
 
@@ -339,3 +345,24 @@ def test_transients_are_allocated_before_any_backward():
     before = {key: t["kept_u"].data_ptr() for key, t in scratch.items()}
     run(model, opt, [(torch.randn(4, 32, device=DEVICE), None)], lambda m, b: m(b[0]).square().mean())
     assert {key: t["kept_u"].data_ptr() for key, t in scratch.items()} == before  # reused, not reallocated
+
+
+def test_a_layer_called_twice_a_step_is_stepped_from_its_summed_gradient():
+    """A Linear called twice in one forward is stepped in step() from its summed gradient, through the phases too:
+    equal to the paper's LAMB."""
+    from training_models import SharedMLP
+
+    def make(seed=0):
+        torch.manual_seed(seed)
+        return SharedMLP().to(DEVICE)
+
+    theirs = make()
+    ours = twin(theirs, make)
+    ref = LambFormula(theirs.parameters(), **LAMB)
+    opt = ForgeOptimizer(ours, "lamb", **LAMB)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randn(2, 5, 64, generator=gen).to(DEVICE) for _ in range(4)]
+    run(theirs, ref, batches, lambda m, x: m(x).square().mean())
+    run(ours, opt, batches, lambda m, x: m(x).square().mean())
+    assert_params_close(ours, theirs)
+    assert int(opt.state[ours.shared.weight]["step"]) == 4
