@@ -31,7 +31,7 @@ from .errors import Loc, SpecError
 from .names import BARRIER_FUNCTIONS, PER_TENSOR_FUNCTIONS, SHAPE_VALUES
 from .parser import parse_spec
 from .printer import print_spec
-from .variants import assignments, children, evaluate, iter_names, walk_statements
+from .variants import assignments, children, evaluate, iter_names, walk, walk_statements
 
 __all__ = ["Barrier", "Plan", "is_phased", "plan", "barrier_arguments", "shape_values"]
 
@@ -94,12 +94,13 @@ class Plan:
     post_grad: Optional[str] = None
 
     def keywords(self, phase: ir.Spec, hypers: Mapping[str, Optional[float]], flags: Mapping[str, bool],
-                 shape, results: Mapping[str, float] = {}) -> dict:
+                 shape, results: Optional[Mapping[str, float]] = None) -> dict:
         """`phase`'s keyword values: the spec's resolved `hypers` (tuple members by name, `StepConfig.hypers`) and
         `flags` (`StepConfig.flags`), the weight's `shape` as `rows` / `cols`, and the per-tensor barriers'
         `results` by target."""
         shape_of = {keyword: value for name, value in shape_values(shape).items()
                     for keyword in [self.shape_keywords.get(name)] if keyword is not None}
+        results = results or {}
         out: dict = {f.name: flags[f.name] for f in phase.flags}
         for h in phase.hypers:
             out[h.name] = shape_of[h.name] if h.name in shape_of else results[h.name] if h.name in results \
@@ -274,16 +275,7 @@ def _rename_stmt(s: ir.Stmt, names: Mapping[str, str]) -> ir.Stmt:
 
 def _read_names(e: ir.Expr) -> set[str]:
     """The names `e` reads, those tested by given() included."""
-    out = set()
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, ir.Name):
-            out.add(x.id)
-        elif isinstance(x, ir.Given):
-            out.add(x.name)
-        stack.extend(children(x))
-    return out
+    return {x.id if isinstance(x, ir.Name) else x.name for x in walk(e) if isinstance(x, (ir.Name, ir.Given))}
 
 
 def _phase(spec: ir.Spec, suffix: str, body: tuple, states: tuple, scalars: tuple, loc: Loc,

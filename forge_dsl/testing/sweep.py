@@ -82,10 +82,11 @@ class Report:
 def _spec_ref(spec: SpecLike) -> tuple[ir.Spec, str]:
     """(the loaded spec, how a case names it: a built-in name, or an absolute path to its file; either followed by
     '#tile' or '#post' for a phase, `cases.load_case_spec`)."""
-    if isinstance(spec, str) and PHASE_MARK in spec:
-        loaded = None
-    else:
-        loaded = load_spec(spec)
+    if isinstance(spec, str):
+        base, mark, phase = spec.rpartition(PHASE_MARK)
+        if mark and phase in ("tile", "post"):  # a phase: named by its spec's name or absolute path, then '#phase'
+            return load_case_spec(spec), (os.path.abspath(base) if Path(base).is_file() else base) + mark + phase
+    loaded = load_spec(spec)
     if isinstance(spec, ir.Spec):
         if Path(spec.path).is_file():
             return loaded, os.path.abspath(spec.path)
@@ -93,9 +94,6 @@ def _spec_ref(spec: SpecLike) -> tuple[ir.Spec, str]:
             return loaded, spec.name
         raise ValueError(f"spec {spec.name!r} has no file to rerun it from ({spec.path}); pass its path or name")
     text = os.fspath(spec)
-    base, mark, phase = text.rpartition(PHASE_MARK)
-    if mark and phase in ("tile", "post"):  # a phase: named by its spec's name or absolute path, then '#phase'
-        return load_case_spec(text), (os.path.abspath(base) if Path(base).is_file() else base) + mark + phase
     return loaded, (os.path.abspath(text) if Path(text).is_file() else text)
 
 

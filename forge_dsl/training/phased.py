@@ -2,6 +2,7 @@
 phase, and what such a spec refuses before any weight moves.
 
     update = PhasedUpdate(spec)                      one per optimizer
+    update.transients_for(p)                         p's transients (one set per weight shape)
     update.tile_state(p, state)                      the tile phase's state: p's own and the transients
     update.finish(p, tile_state, cfg, step=..., ...) the barrier on the whole weight, then the post phase
     phased_refusal(spec, ...)                        why a configuration cannot run it, or None
@@ -41,14 +42,18 @@ class PhasedUpdate:
         self.plan = plan(spec)
         self._scratch: dict[tuple, dict[str, torch.Tensor]] = {}  # (shape, device) -> transient -> [*shape] fp32
 
-    def tile_state(self, param: torch.Tensor, state: Mapping[str, Any]) -> dict:
-        """`param`'s state with the transients added (zero-filled scratch, fp32, shaped like `param`)."""
+    def transients_for(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The transients of `param`'s shape and device (fp32 scratch shaped like it), made on first use."""
         key = (tuple(param.shape), str(param.device))
         scratch = self._scratch.get(key)
         if scratch is None:
             scratch = self._scratch[key] = {name: torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                                             for name in self.plan.transients}
-        return {**state, **scratch}
+        return scratch
+
+    def tile_state(self, param: torch.Tensor, state: Mapping[str, Any]) -> dict:
+        """`param`'s state with the transients added (`transients_for`)."""
+        return {**state, **self.transients_for(param)}
 
     def tile_keywords(self, param: torch.Tensor, cfg: StepConfig) -> dict:
         """The tile phase's keyword values for `param` (the spec's resolved `cfg`, the weight's shape)."""

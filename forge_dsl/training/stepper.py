@@ -206,9 +206,9 @@ class ParamStepper:
         allocated inside backward, where `torch.compile(mode="reduce-overhead")` would allocate it from its CUDA
         graphs' memory pool. Not for a spec with a state that starts from the weight's values (they may still
         change before the first step) nor for a parameter that has state. A spec in phases gets the transients of
-        `p`'s shape here too (`phased.PhasedUpdate.tile_state`), for the same reason."""
+        `p`'s shape here too (`phased.PhasedUpdate.transients_for`), for the same reason."""
         if self.phased is not None:
-            self.phased.tile_state(tensor_parallel.local(p), {})
+            self.phased.transients_for(tensor_parallel.local(p))
         if self.state.get(p) or p in self._prepared or any(s.starts_from_param for s in self.spec.states):
             return
         group = self.group_of[p]
@@ -264,27 +264,28 @@ class ParamStepper:
         state = self.state_for(weight, group, hypers)
         self.progress.open_backward()
         step, seed = int(state["step"].item()) + 1, self.rounding_seed(weight, state)
-        spec, kernel_state, kernel_hypers = self._first_phase(weight, state, hypers)
+        spec, kernel_state, kernel_hypers, cfg = self._first_phase(weight, state, hypers)
         linear_step(spec, x, dy, tensor_parallel.local(weight), kernel_state, path=self.linear_path, step=step,
                     seed=seed, rounding=self.rounding, tf32=torch.get_float32_matmul_precision() != "highest",
                     **kernel_hypers)
-        self._later_phases(weight, kernel_state, hypers, step, seed)
+        self._later_phases(weight, kernel_state, cfg, step, seed)
         state["step"] += 1
 
     def _first_phase(self, p: torch.Tensor, state: dict, hypers: Mapping[str, Any]) -> tuple:
-        """(spec, state, keywords) of the update's first kernel: the spec's own, or its tile phase's."""
+        """(spec, state, keywords, resolved keywords or None) of the update's first kernel: the spec's own, or its
+        tile phase's (with the spec's resolved keywords, which `_later_phases` reads)."""
         if self.phased is None:
-            return self.spec, state, hypers
+            return self.spec, state, hypers, None
         cfg = resolved_hypers(self.spec, dict(hypers))
         return (self.phased.plan.tile, self.phased.tile_state(tensor_parallel.local(p), state),
-                self.phased.tile_keywords(p, cfg))
+                self.phased.tile_keywords(p, cfg), cfg)
 
-    def _later_phases(self, p: torch.Tensor, kernel_state: dict, hypers: Mapping[str, Any], step: int,
-                      seed: int) -> None:
-        """After the first kernel of a spec that runs in phases: its barrier and post phase."""
+    def _later_phases(self, p: torch.Tensor, kernel_state: dict, cfg, step: int, seed: int) -> None:
+        """After the first kernel of a spec that runs in phases: its barriers and post phase (`cfg`: what
+        `_first_phase` resolved)."""
         if self.phased is not None:
-            self.phased.finish(tensor_parallel.local(p), kernel_state, resolved_hypers(self.spec, dict(hypers)),
-                               step=step, seed=seed, rounding=self.rounding)
+            self.phased.finish(tensor_parallel.local(p), kernel_state, cfg, step=step, seed=seed,
+                               rounding=self.rounding)
 
     def begin_rows(self, weight: torch.nn.Parameter) -> ParamUpdate:
         """One step of a fused weight whose gradient comes in blocks of rows (`FusedWeight.begin`)."""
@@ -307,10 +308,10 @@ class ParamStepper:
         """`p`'s update from its local gradient `grad` (the element-wise kernel)."""
         self._refuse_capture(p)
         step, seed = int(state["step"].item()) + 1, self.rounding_seed(p, state)
-        spec, kernel_state, kernel_hypers = self._first_phase(p, state, hypers)
+        spec, kernel_state, kernel_hypers, cfg = self._first_phase(p, state, hypers)
         elementwise_step(spec, tensor_parallel.local(p), grad, kernel_state, step=step, seed=seed,
                          rounding=self.rounding, **kernel_hypers)
-        self._later_phases(p, kernel_state, hypers, step, seed)
+        self._later_phases(p, kernel_state, cfg, step, seed)
         state["step"] += 1
 
     def flat(self, params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor], count: int,
