@@ -30,12 +30,13 @@ from . import aliases
 
 aliases.install()
 
-__all__ = ["ForgeOptimizer", "ForgeTrainer", "OffloadActivations", "SpecError", "fuse", "Spec", "builtin_names", "init_state",
+__all__ = ["CapturedStep", "ForgeOptimizer", "ForgeTrainer", "OffloadActivations", "SpecError", "fuse", "Spec", "builtin_names", "init_state",
            "load_spec", "reference_step"]
 __version__ = "0.1.0"
 
 # Each public name and the module that defines it.
 _PUBLIC = {
+    "CapturedStep": "forge_dsl.training.captured",
     "ForgeOptimizer": "forge_dsl.training.optimizer",
     "ForgeTrainer": "forge_dsl.training.hf_trainer",  # needs transformers
     "fuse": "forge_dsl.training.installer",
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from .spec.errors import SpecError
     from .spec.ir import Spec
     from .spec.loading import builtin_names, load_spec
+    from .training.captured import CapturedStep
     from .training.installer import fuse
     from .training.offload import OffloadActivations
     from .training.optimizer import ForgeOptimizer

@@ -35,7 +35,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .tile_kernels import apply_tile, load_tile
+from .tile_kernels import apply_tile, launch_values, load_tile
 from .tile_lib import grouped_tile
 
 try:
@@ -288,13 +288,14 @@ def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N
                 UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
                 NIBBLE_WORDS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr,
                 SLICE_N: tl.constexpr, EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr,
-                MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr):
+                MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr, HOST_IN_TABLE: tl.constexpr):
     """The epilogue partition of `fused_ws`: for each of this program's tiles, wait for its dW in acc_smem
     [BN, BK], then update its weights and states a [SLICE_N, BK] row slice at a time (all but the last
     MMA_SLICES, which `ws_mma` updates). PREFETCH: each slice's loads go out before the update of the slice
     before it (the first slice's, before the tile's dW is ready), so the memory system always has a slice in
     flight (more registers). Timeline: before waiting for tile j (slot 5), tile j ready (6), tile j done (7,
     and the global timer in 10)."""
+    HOST, seed = launch_values(HOST, seed, HOST_IN_TABLE)
     BN: tl.constexpr = acc_smem.type.shape[0]
     BK: tl.constexpr = acc_smem.type.shape[1]
     SLICES: tl.constexpr = BN // SLICE_N - MMA_SLICES  # this partition's, per tile
@@ -335,11 +336,12 @@ def ws_epilogue(W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N
 def ws_mma(X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST, seed,
            N, K, n_blocks, TL, UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
            LAYOUTS: tl.constexpr, NIBBLE_WORDS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr,
-           SLICE_N: tl.constexpr, MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr):
+           SLICE_N: tl.constexpr, MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr, HOST_IN_TABLE: tl.constexpr):
     """The mma partition of `fused_ws`: for each of this program's tiles, dW [BN, BK] by wgmma into acc_smem
     (`ws_accumulate`, `ws_hand_over`); then, while the epilogue updates the tile's other row slices, the last
     MMA_SLICES [SLICE_N, BK] ones here, before the next tile's token loop (worth it where that loop is shorter
     than the epilogue). Timeline: tile j's loop start (slot 0, and the global timer in 9), loop end (2)."""
+    HOST, seed = launch_values(HOST, seed, HOST_IN_TABLE)
     BN: tl.constexpr = DY.block_type.shape[1]
     BK: tl.constexpr = X.block_type.shape[1]
     SLICES: tl.constexpr = BN // SLICE_N
@@ -367,22 +369,24 @@ def fused_ws(X, DY, W, STATES, SCALES, HOST, seed, T, N, K, n_blocks, TL,
               UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
               NIBBLE_WORDS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, STAGES: tl.constexpr,
               SLICE_N: tl.constexpr, EPILOGUE_WARPS: tl.constexpr, PREFETCH: tl.constexpr, MMA_WARPS: tl.constexpr,
-              MMA_REGISTERS: tl.constexpr, MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr):
+              MMA_REGISTERS: tl.constexpr, MMA_SLICES: tl.constexpr, TIMELINE: tl.constexpr,
+              HOST_IN_TABLE: tl.constexpr):
     """`tile_kernels.fused` warp-specialized (Hopper, Gluon): NUM_PROGRAMS persistent programs, each a TMA
     loader warp (`ws_loader`), MMA_WARPS warps of `ws_mma` accumulating one tile's dW = DY[T, N]ᵀ · X[T, K]
     while the EPILOGUE_WARPS of `ws_epilogue` update the tile before it. X, DY: TMA descriptors with blocks
     [BT, BK] and [BT, BN]; the other arguments as for `tile_kernels.fused`. TIMELINE > 0: each partition
     records when it waits and works, per tile, in TL [NUM_PROGRAMS, TIMELINE, TIMELINE_SLOTS] int64
-    (`python -m forge_dsl.bench.ws_timeline`); 0: nothing of it is compiled, and TL (any pointer) is never read."""
+    (`python -m forge_dsl.bench.ws_timeline`); 0: nothing of it is compiled, and TL (any pointer) is never read.
+    HOST_IN_TABLE: as for `tile_kernels.fused` (each partition that updates reads the row)."""
     x_bufs, dy_bufs, acc_smem, ready, empty, acc_ready, acc_empty = ws_allocate(X, DY, STAGES, MMA_SLICES)
     gl.warp_specialize([
         (ws_epilogue, (W, STATES, SCALES, HOST, acc_smem, acc_ready, acc_empty, seed, N, K, n_blocks, TL, UPDATE,
                        W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, NUM_PROGRAMS, GROUP_N, SLICE_N, EPILOGUE_WARPS,
-                       PREFETCH, MMA_SLICES, TIMELINE)),
+                       PREFETCH, MMA_SLICES, TIMELINE, HOST_IN_TABLE)),
         (ws_loader, (X, DY, x_bufs, dy_bufs, ready, empty, T, N, K, TL, NUM_PROGRAMS, GROUP_N, TIMELINE)),
         (ws_mma, (X, DY, x_bufs, dy_bufs, ready, empty, acc_smem, acc_ready, acc_empty, T, W, STATES, SCALES, HOST,
                   seed, N, K, n_blocks, TL, UPDATE, W_BF16, STOCHASTIC, LAYOUTS, NIBBLE_WORDS, NUM_PROGRAMS, GROUP_N,
-                  SLICE_N, MMA_SLICES, TIMELINE)),
+                  SLICE_N, MMA_SLICES, TIMELINE, HOST_IN_TABLE)),
     ], [1, MMA_WARPS], [24, MMA_REGISTERS])
 
 

@@ -6,7 +6,9 @@
         `tile_kernels.step`
 
 `key` is the stochastic-rounding key (`mix_seed`), `update` / `exports` a variant's update function and
-host scalars (`compiler.loader.compiled_variants`), `states` the bound state (`checks.StateArgs`).
+host scalars (`compiler.loader.compiled_variants`), `states` the bound state (`checks.StateArgs`). With
+`host_in_table=n` (n >= 0), `exports` is instead a `host_table.HostTable` row holding n host scalars and the
+key, which the kernel reads from device memory (`key` is then not read).
 """
 
 from __future__ import annotations
@@ -44,12 +46,14 @@ def kernel_host_values(exports: tuple) -> tuple:
 
 
 def launch_fused(cfg: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, w_view: torch.Tensor, w_bf16: bool,
-                 states: StateArgs, update, exports: tuple, key: int, rounding: str, tf32: bool) -> Optional[tuple]:
+                 states: StateArgs, update, exports, key: int, rounding: str, tf32: bool,
+                 host_in_table: int = -1) -> Optional[tuple]:
     """One launch of the fused kernel on x [T, K], dy [T, N] and the weight [N, K] (`w_view`, bf16 as int16).
     Returns what `reuse.PreparedLaunch` repeats of a warp-specialized launch (`launch_warp_specialized`),
     else None."""
     if cfg.warp_specialized:
-        return launch_warp_specialized(cfg, x2, dy2, w_view, w_bf16, states, update, exports, key, rounding)
+        return launch_warp_specialized(cfg, x2, dy2, w_view, w_bf16, states, update, exports, key, rounding,
+                                       host_in_table=host_in_table)
     from .tile_kernels import fused  # triton is imported on first launch
 
     T, K = x2.shape
@@ -71,35 +75,37 @@ def launch_fused(cfg: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, w_view: t
         key, T, N, K, n_blocks(K),
         x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
         **fused_constexprs(cfg, update, w_bf16, rounding_code(rounding, K), states.layouts, nibble_words(K, states),
-                           dot_fp32, precision, tma),
+                           dot_fp32, precision, tma, host_in_table),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return None
 
 
 def fused_constexprs(cfg: TileConfig, update, w_bf16: bool, stochastic: int, layouts: tuple[int, ...], words: bool,
-                     dot_fp32: bool, precision: Optional[str], tma: bool) -> dict:
+                     dot_fp32: bool, precision: Optional[str], tma: bool, host_in_table: int = -1) -> dict:
     """`tile_kernels.fused`'s constexpr arguments for `cfg` (its launches and `sm90.compile_fused` alike); `words`
-    is `nibble_words`'."""
+    is `nibble_words`', `host_in_table` the kernel's HOST_IN_TABLE."""
     return dict(UPDATE=update, W_BF16=w_bf16, STOCHASTIC=stochastic, LAYOUTS=layouts, NIBBLE_WORDS=words,
                 DOT_FP32=dot_fp32, INPUT_PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
                 BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n, K_HALVES=cfg.k_halves, EPILOGUE_SPLIT=cfg.epilogue_split,
-                TMA=tma)
+                TMA=tma, HOST_IN_TABLE=host_in_table)
 
 
 def ws_constexprs(cfg: TileConfig, update, w_bf16: bool, stochastic: int, layouts: tuple[int, ...], words: bool,
-                  programs: int, timeline_tiles: int = 0) -> dict:
+                  programs: int, timeline_tiles: int = 0, host_in_table: int = -1) -> dict:
     """`gluon_lib.fused_ws`'s constexpr arguments for `cfg` and `programs` persistent programs (recording a
-    timeline of `timeline_tiles` tiles per program where that is > 0); `words` is `nibble_words`'."""
+    timeline of `timeline_tiles` tiles per program where that is > 0); `words` is `nibble_words`',
+    `host_in_table` the kernel's HOST_IN_TABLE."""
     return dict(UPDATE=update, W_BF16=w_bf16, STOCHASTIC=stochastic, LAYOUTS=layouts, NIBBLE_WORDS=words,
                 NUM_PROGRAMS=programs, GROUP_N=cfg.group_n, STAGES=cfg.num_stages,
                 SLICE_N=cfg.block_n // cfg.epilogue_split, EPILOGUE_WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
                 MMA_WARPS=cfg.mma_warps, MMA_REGISTERS=cfg.mma_registers, MMA_SLICES=cfg.mma_slices,
-                TIMELINE=timeline_tiles)
+                TIMELINE=timeline_tiles, HOST_IN_TABLE=host_in_table)
 
 
 def launch_warp_specialized(cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, states: StateArgs, update,
-                             exports: tuple, seed: int, rounding: str, timeline: Optional[torch.Tensor] = None):
+                             exports, seed: int, rounding: str, timeline: Optional[torch.Tensor] = None,
+                             host_in_table: int = -1):
     """One launch of `gluon_lib.fused_ws`: one persistent program per SM (at most one per tile). Returns what
     `reuse.PreparedLaunch` repeats: (the compiled kernel, the positional and keyword arguments, programs).
     `timeline`: an int64 [programs, tiles, gluon_lib.TIMELINE_SLOTS] buffer the kernel records its partitions'
@@ -117,14 +123,14 @@ def launch_warp_specialized(cfg: TileConfig, x2, dy2, w_view, w_bf16: bool, stat
     args = (x_desc, dy_desc, w_view, states.storage, states.scales, exports, seed, T, N, K, n_blocks(K),
             w_view if timeline is None else timeline)
     kwargs = ws_constexprs(cfg, update, w_bf16, rounding_code(rounding, K), states.layouts, nibble_words(K, states),
-                           programs, 0 if timeline is None else timeline.shape[1])
+                           programs, 0 if timeline is None else timeline.shape[1], host_in_table)
     compiled = gluon_lib.fused_ws[(programs,)](*args, **kwargs, num_warps=cfg.num_warps, maxnreg=cfg.launch_maxnreg)
     return compiled, args, kwargs, programs
 
 
 
-def launch_elementwise(update, param: torch.Tensor, grad: torch.Tensor, states: StateArgs, exports: tuple, key: int,
-                        rounding: str) -> None:
+def launch_elementwise(update, param: torch.Tensor, grad: torch.Tensor, states: StateArgs, exports, key: int,
+                        rounding: str, host_in_table: int = -1) -> None:
     """One launch of the element-wise kernel (`tile_kernels.step`) with a variant's `update` over `param` viewed as
     rows (`grad` contiguous, same shape)."""
     from .tile_kernels import step as step_kernel  # triton is imported on first launch
@@ -139,7 +145,7 @@ def launch_elementwise(update, param: torch.Tensor, grad: torch.Tensor, states: 
             key, rows, cols, n_blocks(cols),
             UPDATE=update, W_BF16=p_bf16, G_BF16=g_bf16, STOCHASTIC=rounding_code(rounding, cols),
             LAYOUTS=states.layouts, NIBBLE_WORDS=nibble_words(cols, states), BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=num_warps,
+            HOST_IN_TABLE=host_in_table, num_warps=num_warps,
         )
 
 

@@ -60,7 +60,7 @@ from .policy import (
 from .slabs import slab_grads
 
 __all__ = ["fused_linear_step", "slab_linear_step", "linear_step", "step", "ParamUpdate", "TileConfig", "mix_seed",
-           "resolved_hypers"]
+           "launch_host_values", "resolved_hypers"]
 
 
 class ParamUpdate:
@@ -76,10 +76,14 @@ class ParamUpdate:
     its own stochastic-rounding bits: a function of (seed, step, the block's first row, element index in
     the block); the whole parameter's are those of (seed, step, element index). Blocks may come in any order;
     each row is updated once per step by whoever holds this object.
+
+    `host_row`: a `host_table.HostTable` row the kernels read this step's host scalars and key from (what a CUDA
+    graph replays), which the caller has staged with `launch_host_values`' values; whole-parameter updates only.
     """
 
     def __init__(self, spec: SpecLike, param: torch.Tensor, state: MutableMapping[str, torch.Tensor], *, step: int,
-                 seed: int = DEFAULT_SEED, rounding: str = DEFAULT_ROUNDING, **hypers: Any) -> None:
+                 seed: int = DEFAULT_SEED, rounding: str = DEFAULT_ROUNDING, host_row: Optional[torch.Tensor] = None,
+                 **hypers: Any) -> None:
         check_rounding(rounding)
         self.spec = load_spec(spec)
         self.param = param
@@ -88,6 +92,8 @@ class ParamUpdate:
         self.update, self.names, self.exports, self._scalar_updates = _variant(self.spec, hypers, step, state)
         self.states = bind_states(self.spec, self.names, state, param)
         self.key = mix_seed(seed, step)
+        # what the kernels take as HOST and their HOST_IN_TABLE: the values, or the table row that holds them
+        self.host_args = (self.exports, -1) if host_row is None else (host_row, len(self.exports))
 
     def fused(self, x: torch.Tensor, dy: torch.Tensor, rows: Optional[int] = None, *, tf32: bool = False,
               config: Optional[TileConfig] = None) -> None:
@@ -111,7 +117,8 @@ class ParamUpdate:
             raise ValueError(f"grad is on {grad.device} but param is on {param.device}")
         weight_view(grad, "grad")
         if param.numel():
-            launch_elementwise(self.update, param, grad.contiguous(), states, self.exports, key, self.rounding)
+            launch_elementwise(self.update, param, grad.contiguous(), states, self.host_args[0], key, self.rounding,
+                               self.host_args[1])
 
     def commit(self) -> None:
         """Write the scalar state's new values (after the last block of this step)."""
@@ -122,6 +129,8 @@ class ParamUpdate:
         """(the parameter's rows [rows, rows + count), their state arguments, their rounding key)."""
         if rows is None:
             return self.param, self.states, self.key
+        if self.host_args[1] >= 0:
+            raise ValueError("a launch table row holds the whole parameter's key: row blocks draw keys of their own")
         if self.param.dim() != 2:
             raise ValueError(f"row blocks need a 2-D parameter [N, K], got shape {tuple(self.param.shape)}")
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= rows + count <= self.param.shape[0]:
@@ -147,8 +156,8 @@ class ParamUpdate:
 
             check_warp_specialized(fused_ws, x2, weight, tma_ok, cfg)
         with device_guard(weight):
-            launched = launch_fused(cfg, x2, dy2, w_view, w_bf16, states, self.update, self.exports, key,
-                                    self.rounding, tf32)
+            launched = launch_fused(cfg, x2, dy2, w_view, w_bf16, states, self.update, self.host_args[0], key,
+                                    self.rounding, tf32, self.host_args[1])
         return None if launched is None else (cfg, launched)
 
 
@@ -274,7 +283,8 @@ def fused_linear_step(
 def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor,
                 state: MutableMapping[str, torch.Tensor], *, step: int, seed: int = DEFAULT_SEED,
                 rounding: str = DEFAULT_ROUNDING, path: str = "auto", tf32: bool = False,
-                config: Optional[TileConfig] = None, slab_bytes: Optional[int] = None, **hypers: Any) -> None:
+                config: Optional[TileConfig] = None, slab_bytes: Optional[int] = None,
+                host_row: Optional[torch.Tensor] = None, **hypers: Any) -> None:
     """`fused_linear_step` or `slab_linear_step`, whichever is faster for this layer on this device.
 
     path "auto": what `policy.auto_linear_path` decides for these arguments; "fused" / "slab" force one. The
@@ -282,9 +292,23 @@ def linear_step(spec: SpecLike, x: torch.Tensor, dy: torch.Tensor, weight: torch
     precision instead of `tf32`; the fused kernel keeps dW in fp32. `config` goes to the fused kernel,
     `slab_bytes` to the slab path (default: by state layout, see `slab_linear_step`); other arguments as
     for `fused_linear_step`, whose reused launches skip the path decision too.
+
+    `host_row`: the fused kernel reads its host scalars and key from this `host_table.HostTable` row (staged
+    by the caller with `launch_host_values`), so that a CUDA graph replays it with each step's values; the
+    fused kernel only (`path` "auto" takes it), every call checked.
     """
     if path not in LINEAR_PATHS:
         raise ValueError(f"path must be one of {', '.join(LINEAR_PATHS)}, got {path!r}")
+    if host_row is not None:
+        if path == "slab":
+            raise ValueError("host_row= needs the fused kernel: the slab path's launches draw a key per slab")
+        update = ParamUpdate(spec, weight, state, step=step, seed=seed, rounding=rounding, host_row=host_row,
+                             **hypers)
+        x2, dy2 = check_linear(x, dy, weight, rounding)
+        weight_view(weight, "weight")
+        update._fused(x2, dy2, weight, update.states, update.key, tf32, config)
+        update.commit()
+        return
     if path == "slab":
         slab_linear_step(spec, x, dy, weight, state, step=step, seed=seed, rounding=rounding, slab_bytes=slab_bytes,
                          **hypers)
@@ -315,6 +339,12 @@ def _linear(spec, x, dy, weight, state, step, seed, rounding: str, tf32: bool, c
     update.commit()
     if reusable is not None and launched is not None:
         _prepare(reusable, update, *launched)
+
+
+def launch_host_values(spec: SpecLike, step: int, state: MutableMapping[str, torch.Tensor], **hypers: Any) -> tuple:
+    """The host scalars a launch of step `step` hands its kernel (what `host_table.HostTable.stage` takes): the
+    ones every by-value launch of these keywords and scalar state passes."""
+    return _variant(load_spec(spec), hypers, step, state)[2]
 
 
 def _auto_path(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state) -> str:

@@ -21,7 +21,10 @@ weight's store rounds with (`tile_lib.store_weight`'s offsets, key and constexpr
     STATES  a tuple of each state's storage tensor (bf16 as its int16 view; int8 / uint8 codes),
     SCALES  a tuple of each state's block scales [N, K / 64] fp32 (int8 / uint8; the storage itself,
             never read, otherwise),
-    HOST    the tuple of host scalars, handed to `UPDATE` as `h`,
+    HOST    the tuple of host scalars, handed to `UPDATE` as `h`; or, with HOST_IN_TABLE = n >= 0, a pointer to an
+            int32 row [n + 1] in device memory: the fp32 bits of the n host scalars, then the seed, which the
+            kernel reads there (`launch_values`) and ignores its `seed` argument (a launch replayed by a CUDA
+            graph reads the values its host wrote for this step; `forge_dsl.kernels.host_table`),
     LAYOUTS a constexpr tuple of each state's layout code (`forge_dsl.kernels.layouts.StateLayout`), beside
             NIBBLE_WORDS, a constexpr: whether 4-bit states are read and written a 32-bit word (8 codes)
             at a time (`kernel_calls.nibble_words`),
@@ -45,7 +48,20 @@ from .tile_lib import (
     tile_offsets,
 )
 
-__all__ = ["apply_tile", "fused", "load_tile", "step", "update_slice"]
+__all__ = ["apply_tile", "fused", "launch_values", "load_tile", "step", "update_slice"]
+
+
+@triton.jit
+def launch_values(HOST, seed, HOST_IN_TABLE: tl.constexpr):
+    """(host scalars, seed) of a launch: `HOST` and `seed` as passed where HOST_IN_TABLE < 0; else read from the
+    int32 row `HOST` points to (HOST_IN_TABLE fp32 bit patterns, then the seed)."""
+    if HOST_IN_TABLE < 0:
+        return HOST, seed
+    else:
+        values = ()
+        for i in tl.static_range(HOST_IN_TABLE):
+            values = values + (tl.load(HOST + i).to(tl.float32, bitcast=True), )
+        return values, tl.load(HOST + HOST_IN_TABLE)
 
 
 @triton.jit
@@ -102,7 +118,7 @@ def fused(
     UPDATE: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, LAYOUTS: tl.constexpr,
     NIBBLE_WORDS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    K_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, TMA: tl.constexpr,
+    K_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, TMA: tl.constexpr, HOST_IN_TABLE: tl.constexpr = -1,
 ):
     """W[N, K] -= update(dW) for one [BLOCK_N, BLOCK_K] tile, dW = DY[T, N]ᵀ · X[T, K] never stored.
 
@@ -115,6 +131,7 @@ def fused(
     TMA: X and DY are Hopper TMA descriptors (blocks [BLOCK_T, BLOCK_K, or BLOCK_K / 2 with
     K_HALVES] and [BLOCK_T, BLOCK_N]).
     """
+    HOST, seed = launch_values(HOST, seed, HOST_IN_TABLE)
     offs_n, offs_k, n_start, k_start = tile_at(tl.program_id(0), N, K, BLOCK_N, BLOCK_K, GROUP_N)
     if EPILOGUE_SPLIT == 1:
         tl.static_assert(not K_HALVES, "K_HALVES needs EPILOGUE_SPLIT 2 or 4")
@@ -169,8 +186,10 @@ def step(
     P, G, STATES, SCALES, HOST, seed, N, K, n_blocks,
     UPDATE: tl.constexpr, W_BF16: tl.constexpr, G_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     LAYOUTS: tl.constexpr, NIBBLE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HOST_IN_TABLE: tl.constexpr = -1,
 ):
     """P[N, K] -= update(G[N, K]) for one [BLOCK_N, BLOCK_K] tile (a parameter viewed as rows)."""
+    HOST, seed = launch_values(HOST, seed, HOST_IN_TABLE)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * BLOCK_K
     offs, mask = tile_offsets(offs_n, k_start + tl.arange(0, BLOCK_K), N, K)

@@ -84,7 +84,7 @@ API_KEYWORDS = frozenset({
     "spec", "param", "grad", "step", "state", "states", "params", "grads", "weight", "x", "dy", "model",
     "seed", "rounding", "layout", "state_dtype", "fuse", "foreach", "linear_path", "path", "tf32", "config",
     "slab_bytes", "initial_hypers", "self", "model_params", "lm_head_loss", "weight_dtype", "max_grad_norm",
-    "accumulation_steps", "accumulation_dtype",
+    "accumulation_steps", "accumulation_dtype", "capturable", "host_row",
 })
 # The keys torch's learning-rate schedulers and SWA write into a param group beside lr, momentum and betas (which
 # they schedule on purpose): a hyperparameter of the same name would be replaced by their value.

@@ -1,6 +1,7 @@
 """Training with FORGE: the optimizer, what it installs on a model, and the paths that update weights in backward.
 
     optimizer       ForgeOptimizer (a torch.optim.Optimizer)
+    captured        capturable=True's refusals; CapturedStep: the whole step in one CUDA graph
     installer       fuse(model); which weights are fused; installing and removing their forwards
     weight          one fused weight's handle, the forward installed on its module, the step they go through
     stepper         how the optimizer steps a parameter: state, seed, kernel calls

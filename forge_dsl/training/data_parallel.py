@@ -82,7 +82,7 @@ class ShardUpdates:
         if count < progress.accumulation_steps:  # FSDP2 adds the next micro-batch's into .grad
             return
         stepper = self.stepper
-        stepper._check_first_update()
+        stepper._check_first_update(p)
         progress.open_backward()
         group = stepper.group_of[p]
         hypers = stepper.group_hypers(group)

@@ -80,6 +80,17 @@ def candidates(model: torch.nn.Module) -> dict[int, Candidate]:
     return found
 
 
+def without_embeddings(found: dict[int, Candidate], why: str) -> dict[int, Candidate]:
+    """`found` (`candidates`) with every fusable nn.Embedding weight left unfused for the reason `why` (it is then
+    stepped from .grad in step()): where its update in blocks of rows cannot run."""
+    out = dict(found)
+    for key, c in found.items():
+        module = c.module_ref() if c.module_ref is not None else None
+        if isinstance(module, torch.nn.Embedding) and c.refusal is None:
+            out[key] = Candidate(c.weight_ref(), module, c.name, why)
+    return out
+
+
 # Parameters of models marked by `fuse`, by id (their tensors compare element-wise, so no WeakKeyDictionary).
 _MARKED: dict[int, Candidate] = {}
 # The LM head weights (by id) of models marked by `fuse(model, lm_head_loss=True)`: the model, weakly.

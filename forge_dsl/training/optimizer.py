@@ -78,7 +78,7 @@ from ..kernels.foreach import FOREACH_MAX_ELEMENTS, shared_launch_key
 from ..kernels.policy import LINEAR_PATHS, interpreting
 from ..spec.keywords import check_seed, resolve_hypers
 from ..spec.loading import SpecLike, load_spec
-from . import checkpoint, data_parallel, grad_passes, hf_head, installer, phased, tensor_parallel
+from . import captured, checkpoint, data_parallel, grad_passes, hf_head, installer, phased, tensor_parallel
 from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad
 from .installer import fuse
 from .stepper import INITIAL_KEY, ParamStepper, group_hypers, initial_value_hypers
@@ -156,6 +156,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         accumulation_steps: gradient accumulation over k backwards before each `step()` (torch's loop): the
             fused weights' gradients summed in a buffer per weight, the k-th backward applies the update.
         accumulation_dtype: that buffer's dtype, "fp32" (default: torch's fp32 accumulation) or "bf16".
+        capturable: True lets `forge_dsl.CapturedStep` record the whole step into a CUDA graph (torch's
+            `capturable=`; what it refuses and why: `training.captured`). Default False.
         foreach: True (default) steps the parameters left to `step()` that have up to 2**20
             elements and share dtypes and state layouts (norm weights, biases) in one launch
             (`forge_dsl.kernels.foreach`), as torch.optim's `foreach` does: each launch costs host
@@ -184,6 +186,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         accumulation_steps: int = 1,
         accumulation_dtype: str = "fp32",
+        capturable: bool = False,
         **hypers: Any,
     ) -> None:
         if spec is None:
@@ -191,6 +194,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                             "e.g. ForgeOptimizer(model.parameters(), 'adamw', lr=1e-3)")
         if not isinstance(lm_head_loss, bool):
             raise TypeError(f"lm_head_loss must be a bool, got {type(lm_head_loss).__name__}")
+        if not isinstance(capturable, bool):
+            raise TypeError(f"capturable must be a bool, got {type(capturable).__name__}")
+        self.capturable = capturable
         if isinstance(params, torch.nn.Module):
             model = params
             if lm_head_loss and fuse:
@@ -272,6 +278,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                                           installer.head_loss_model(p) is not None
                                                           for p in self._param_index), sharded_dp=sharded_dp)
         sharded = next((p for p in self._param_index if tensor_parallel.is_dtensor(p)), None)
+        if capturable:  # refused before anything is installed; Embeddings from .grad
+            candidates = captured.check_and_unfuse_rows(
+                self.spec, candidates, max_grad_norm=self.max_grad_norm, accumulation_steps=self.accumulation_steps,
+                lm_head_loss=lm_head_loss or any(installer.head_loss_model(p) is not None for p in self._param_index),
+                sharded=sharded is not None or sharded_dp, linear_path=linear_path)
         if (sharded is not None and not sharded_dp and
                 (self.max_grad_norm is not None or self.accumulation_steps > 1)):
             raise ValueError(
@@ -296,6 +307,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                                [install.remove for install in self._head_installs])
             for p in self._handles:  # before any backward: a compiled backward's CUDA graphs never allocate it
                 self._stepper.prepare_state(p)
+            if capturable:
+                self._stepper.use_host_table(list(self._handles))
 
     # -- what the stepper holds, as torch.optim's users read it ---------------
     state_dtype = _Stepped("state_dtype", "The state layout new states get (a loaded state dict sets it to the one "

@@ -26,7 +26,7 @@ from ..kernels.steps import step as elementwise_step
 from ..spec import ir
 from ..spec.keywords import StepConfig
 from ..spec.phases import plan
-from . import tensor_parallel
+from . import installer, tensor_parallel
 
 __all__ = ["PhasedUpdate", "check_and_unfuse_rows", "phased_refusal"]
 
@@ -112,10 +112,5 @@ def check_and_unfuse_rows(spec: ir.Spec, params: list, names: Mapping, candidate
     refusal = phased_refusal(spec, labelled, **options)
     if refusal is not None:
         raise ValueError(refusal)
-    out = dict(candidates)
-    for key, c in candidates.items():
-        module = c.module_ref() if c.module_ref is not None else None
-        if isinstance(module, torch.nn.Embedding) and c.refusal is None:
-            out[key] = type(c)(c.weight_ref(), module, c.name, f"an nn.Embedding: {spec.name} runs in phases, so it "
-                               "is stepped from .grad in step()")
-    return out
+    return installer.without_embeddings(candidates, f"an nn.Embedding: {spec.name} runs in phases, so it is stepped "
+                                                    "from .grad in step()")

@@ -21,7 +21,8 @@ import torch
 
 from ..api import init_state
 from ..kernels.foreach import _step_flat
-from ..kernels.steps import ParamUpdate, linear_step, mix_seed, resolved_hypers
+from ..kernels.host_table import HostTable
+from ..kernels.steps import ParamUpdate, launch_host_values, linear_step, mix_seed, resolved_hypers
 from ..kernels.steps import step as elementwise_step
 from ..spec import ir
 from ..spec.keywords import resolve_hypers
@@ -45,11 +46,12 @@ def capturing(t: torch.Tensor) -> bool:
 def capture_refusal(label: str) -> str:
     """Why the update of the parameter `label` names is not recorded into a CUDA graph, and what to do instead."""
     return (f"{label}: FORGE's update is being captured into a CUDA graph (torch.cuda.graph, "
-            "make_graphed_callables). Its host values (the step counter, the bias corrections, the learning rate, the "
-            "stochastic-rounding seed) are computed on the host at every update, so each replay would repeat this "
-            "step's: refused (nothing has run during the capture, so no weight changed). Use "
-            "torch.compile(model, mode=\"reduce-overhead\"), whose CUDA graphs leave FORGE's updates out and run "
-            "them between graphs, or capture only what runs before loss.backward()")
+            "make_graphed_callables) outside forge_dsl.CapturedStep. Its host values (the step counter, the bias "
+            "corrections, the learning rate, the stochastic-rounding seed) change every step, and only CapturedStep "
+            "writes them for each replay: refused (nothing has run during the capture, so no weight changed). "
+            "Build the optimizer with capturable=True and capture the step with forge_dsl.CapturedStep(optimizer, "
+            "fn), or use torch.compile(model, mode=\"reduce-overhead\"), whose CUDA graphs leave FORGE's updates "
+            "out and run them between graphs")
 
 
 def group_hypers(group: Mapping[str, Any], keywords: frozenset) -> dict[str, Any]:
@@ -102,6 +104,11 @@ class ParamStepper:
         self.linear_path = linear_path
         self.progress = StepProgress()
         self.phased = PhasedUpdate(spec) if is_phased(spec) else None  # a spec that runs in phases (spec.phases)
+        # capturable=True: the fused Linear weights' launches read their host values from this table, staged once
+        # a step for all of them (`stage_host_values`); `CapturedStep` stages it before each replay
+        self.host_table: Optional[HostTable] = None
+        self.table_slots: dict[torch.nn.Parameter, int] = {}
+        self.capture_allowed = False  # set by `CapturedStep` while it records the step
         # parameter -> (what it was made from, its state): `prepare_state`'s, until the first update takes it
         self._prepared: dict[torch.nn.Parameter, tuple[tuple, dict]] = {}
 
@@ -170,13 +177,15 @@ class ParamStepper:
 
     def _refuse_capture(self, p: torch.Tensor) -> None:
         """Refuse an update recorded into a CUDA graph (`torch.cuda.graph`, `make_graphed_callables`): its host
-        values would be this step's in every replay. Nothing runs during a capture, so no weight has changed."""
-        if capturing(p):
+        values would be this step's in every replay. Nothing runs during a capture, so no weight has changed.
+        `CapturedStep`'s capture of a fused Linear weight whose launches read the host table is let through."""
+        if capturing(p) and not (self.capture_allowed and p in self.table_slots):
             raise RuntimeError(capture_refusal(self.label(p)))
 
-    def _check_first_update(self) -> None:
-        """Before a fused update: `check_step` where it is the step's first; a refused step is closed (nothing
-        of it was applied), so that the batch can run again."""
+    def _check_first_update(self, p: torch.Tensor) -> None:
+        """Before a fused update (of `p`): `check_step` where it is the step's first, and the host table's values
+        for this step staged (not while `CapturedStep` records: it staged them, and stages each replay's); a
+        refused step is closed (nothing of it was applied), so that the batch can run again."""
         if self.progress.step_checked:
             return
         try:
@@ -184,6 +193,27 @@ class ParamStepper:
         except ValueError:
             self.progress.end()
             raise
+        if self.host_table is not None and not capturing(p):
+            self.stage_host_values()
+
+    def use_host_table(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """From now on the fused Linear weights `params` (all on one device) read their launches' host values
+        from a host table (`capturable=True`)."""
+        self.table_slots = {p: i for i, p in enumerate(params)}
+        if params:
+            self.host_table = HostTable(len(params), tensor_parallel.local(params[0]).device)
+
+    def stage_host_values(self) -> None:
+        """Every table slot's values for its next update (step counter + 1, its param group's keywords as they are
+        now, its rounding key), copied to the device at once: the host step of all the fused layers of a step."""
+        for p, slot in self.table_slots.items():
+            group = self.group_of[p]
+            hypers = self.group_hypers(group)
+            state = self.state_for(p, group, hypers)
+            step = int(state["step"].item()) + 1
+            self.host_table.stage(slot, launch_host_values(self.spec, step, state, **hypers),
+                                  mix_seed(self.rounding_seed(p, state), step))
+        self.host_table.upload()
 
     def checkpoint_metadata(self) -> dict:
         """What this optimizer's states are, as `state_dict()` records it in each param group."""
@@ -258,16 +288,17 @@ class ParamStepper:
         """One fused layer's update inside backward, from x [..., K] and dy [..., N]; its step counter moves
         with it, so the optimizer's state is consistent whatever interrupts the backward after it."""
         self._refuse_capture(weight)
-        self._check_first_update()
+        self._check_first_update(weight)
         group = self.group_of[weight]
         hypers = self.group_hypers(group)
         state = self.state_for(weight, group, hypers)
         self.progress.open_backward()
         step, seed = int(state["step"].item()) + 1, self.rounding_seed(weight, state)
         spec, kernel_state, kernel_hypers, cfg = self._first_phase(weight, state, hypers)
+        slot = self.table_slots.get(weight)
         linear_step(spec, x, dy, tensor_parallel.local(weight), kernel_state, path=self.linear_path, step=step,
                     seed=seed, rounding=self.rounding, tf32=torch.get_float32_matmul_precision() != "highest",
-                    **kernel_hypers)
+                    host_row=None if slot is None else self.host_table.row(slot), **kernel_hypers)
         self._later_phases(weight, kernel_state, cfg, step, seed)
         state["step"] += 1
 
@@ -290,7 +321,7 @@ class ParamStepper:
     def begin_rows(self, weight: torch.nn.Parameter) -> ParamUpdate:
         """One step of a fused weight whose gradient comes in blocks of rows (`FusedWeight.begin`)."""
         self._refuse_capture(weight)
-        self._check_first_update()
+        self._check_first_update(weight)
         group = self.group_of[weight]
         hypers = self.group_hypers(group)
         state = self.state_for(weight, group, hypers)

@@ -1101,3 +1101,14 @@ def test_model_accumulation_methods_accumulate_as_torch():
     with pytest.raises(ValueError, match="micro-batches a step"):
         step_anatomy.measure_anatomy("forge-bf16-accum2", "tiny-llama", 8, torch.device("cpu"), checkpointing=False,
                                      compiled=False, warmup=0, steps=1)
+
+
+def test_captured_step_bench_refuses_unknown_methods(capsys):
+    """`python -m forge_dsl.bench.captured_step` names the methods it knows before building anything (its runs
+    need CUDA: they ran on the H100, docs/PERF.md v28)."""
+    from forge_dsl.bench import captured_step
+
+    with pytest.raises(SystemExit):
+        captured_step.main(["--methods", "torch-adamw,forge-bf16-graf"])
+    err = capsys.readouterr().err
+    assert "forge-bf16-graf" in err and "forge-bf16-graph" in err
