@@ -1,7 +1,8 @@
 """The whole training step in one CUDA graph against eager steps, interleaved (issue K item 4).
 
     python -m forge_dsl.bench.captured_step [--model llama3.1-8b] [--seq 512] [--rounds 3] [--steps 5]
-        [--methods torch-adamw,torch-adamw-graph,forge-bf16,forge-bf16-graph,forge-int8-graph] [--out FILE]
+        [--methods torch-adamw,torch-adamw-graph,forge-bf16,forge-bf16-graph,forge-int8-graph] [--compile]
+        [--checkpointing] [--out FILE]
 
 Each round builds a fresh random-init model for every method in turn (the order rotated each round), takes
 `--warmup` steps, then times `--steps` steps, each a Python call with a synchronize after it (host time included).
@@ -11,7 +12,9 @@ Methods:
                      graph (torch's whole-network recipe, zero_grad(set_to_none=True) before the capture)
   forge-<s>          ForgeOptimizer AdamW with <s> (bf16, int8) state, eager
   forge-<s>-graph    the same with capturable=True, the step a `forge_dsl.CapturedStep`
-The table gives each method's median over rounds of the rounds' medians, its ratio to torch-adamw-graph (the
+With --compile every method runs `torch.compile(model)` (inductor's default mode; its warm-up steps compile), the
+graph methods capture the compiled code; with --checkpointing every decoder layer recomputes its forward in
+backward (transformers' gradient checkpointing). The table gives each method's median over rounds of the rounds' medians, its ratio to torch-adamw-graph (the
 median of the per-round ratios, with their min-max) and the peak memory of its last round.
 """
 
@@ -27,7 +30,7 @@ import torch
 
 import forge_dsl
 
-from .model import LOSSES, build_model, token_ids
+from .model import LOSSES, build_model, enable_checkpointing, token_ids
 
 LR = 1e-5
 METHODS = ("torch-adamw", "torch-adamw-graph", "forge-bf16", "forge-bf16-graph", "forge-int8", "forge-int8-graph")
@@ -89,13 +92,21 @@ def _torch_graphed(model, opt, ids, loss_fn, warmup: int = 2):
     return replay
 
 
-def run_method(model_name: str, method: str, seq: int, warmup: int, steps: int, loss: str) -> dict:
+def run_method(model_name: str, method: str, seq: int, warmup: int, steps: int, loss: str, compiled: bool = False,
+               checkpointing: bool = False) -> dict:
     """Build the model, attach `method`, warm up, time `steps` steps: {step_ms (median), step_ms_all, peak_gib}."""
     device = torch.device("cuda")
     torch.cuda.reset_peak_memory_stats()
     model = build_model(model_name, device)
+    if checkpointing:
+        enable_checkpointing(model)
     ids = token_ids(model, seq, device)
-    step = _step_fn(model, method, ids, LOSSES[loss])
+    loss_fn = LOSSES[loss]
+    if compiled:
+        torch._dynamo.reset()
+        runner = torch.compile(model)
+        loss_fn = (lambda fn: lambda _model, batch: fn(runner, batch))(loss_fn)
+    step = _step_fn(model, method, ids, loss_fn)
     try:
         for _ in range(warmup):
             step()
@@ -124,6 +135,8 @@ def main(argv=None) -> None:
                                                            "warm-up and capture)")
     ap.add_argument("--loss", choices=sorted(LOSSES), default="transformers")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--compile", action="store_true", help="torch.compile(model) for every method")
+    ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of the decoder layers")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
@@ -138,7 +151,8 @@ def main(argv=None) -> None:
             if method in errors:
                 continue
             try:
-                row = run_method(args.model, method, args.seq, args.warmup, args.steps, args.loss)
+                row = run_method(args.model, method, args.seq, args.warmup, args.steps, args.loss, args.compile,
+                                 args.checkpointing)
             except Exception as err:  # a method that cannot run here is reported, the others go on
                 errors[method] = f"{type(err).__name__}: {err}"[:400]
                 print(f"round {r + 1} {method}: {errors[method]}", flush=True)
@@ -148,7 +162,8 @@ def main(argv=None) -> None:
             rounds[method].append(row)
             print(f"round {r + 1} {method}: {row['step_ms']:.1f} ms, peak {row['peak_gib']:.2f} GiB", flush=True)
     base = "torch-adamw-graph" if rounds.get("torch-adamw-graph") else methods[0]
-    print(f"\n{args.model} 1 x {args.seq}, {args.rounds} rounds of {args.steps} steps; ratio to {base} "
+    print(f"\n{args.model} 1 x {args.seq}{' compiled' if args.compile else ''}"
+          f"{' checkpointing' if args.checkpointing else ''}, {args.rounds} rounds of {args.steps} steps; ratio to {base} "
           "(median of the rounds' ratios, min-max)")
     print("| method | step ms (median of rounds) | ratio | peak GiB |\n|---|---|---|---|")
     table = []

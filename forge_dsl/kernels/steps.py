@@ -208,17 +208,37 @@ def resolved_hypers(spec, hypers: dict):
     (a training loop passes the same ones every step, and resolving them took ~25 % of a call's host time,
     docs/PERF.md v9c); tensors (e.g. a tensor lr, which may change in place) are resolved every time. Only
     successes are remembered, so bad keywords raise on every call. The result is shared: read it only."""
+    values = tuple(hypers.values())
+    identity = (id(spec), tuple(hypers), tuple(map(id, values)))
+    seen = _BY_IDENTITY.get(identity)
+    if seen is not None and seen[0] is spec and all(a is b for a, b in zip(seen[1], values)):
+        return seen[2]
     key = _hypers_key(hypers)
     if key is None:
         return resolve_hypers(spec, hypers)
     hit = _RESOLVED.get((id(spec), key))
     if hit is not None and hit[0] is spec:
-        return hit[1]
-    cfg = resolve_hypers(spec, hypers)
-    if len(_RESOLVED) >= _RESOLVED_MAX:
-        _RESOLVED.clear()
-    _RESOLVED[(id(spec), key)] = (spec, cfg)
+        cfg = hit[1]
+    else:
+        cfg = resolve_hypers(spec, hypers)
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        _RESOLVED[(id(spec), key)] = (spec, cfg)
+    if all(_immutable(v) for v in values):
+        if len(_BY_IDENTITY) >= _RESOLVED_MAX:
+            _BY_IDENTITY.clear()
+        _BY_IDENTITY[identity] = (spec, values, cfg)  # holds the values: their ids are not reused meanwhile
     return cfg
+
+
+# (id(spec), keyword names, ids of their values) -> (spec, the values, StepConfig): a param group hands every
+# layer the same value objects until a scheduler writes new ones, so `_hypers_key` (~15 calls) runs once for them
+_BY_IDENTITY: dict = {}
+
+
+def _immutable(v) -> bool:
+    """Whether `v` cannot change while its identity stays: a bool, int, float or a tuple of them."""
+    return type(v) in (bool, int, float) or (type(v) is tuple and all(type(m) in (bool, int, float) for m in v))
 
 
 def _hypers_key(hypers: dict) -> Optional[tuple]:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..kernels.steps import resolved_hypers
 from ..spec.phases import is_phased
 from . import installer
 from .consumed_grad import ConsumedGrad
@@ -81,11 +82,17 @@ def check_and_unfuse_rows(spec, candidates: dict, **options) -> dict:
                                         "in step()")
 
 
+def _detached(outputs: Any) -> Any:
+    """`outputs` with every tensor in it detached: a warm-up step's kept by the caller would keep its autograd
+    graph (made on the warm-up's stream) alive into the capture, as the recorded one's would into later steps."""
+    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, outputs)
+
+
 class CapturedStep:
     """`fn` (a forward and `loss.backward()` on static inputs, returning what the loop reads, e.g. the loss)
     recorded into a CUDA graph with the fused updates of `optimizer` (built with capturable=True), then replayed;
-    each call is one whole training step (`optimizer.step()` included) and returns `fn`'s outputs (the same
-    tensors every call, refreshed by each replay).
+    each call is one whole training step (`optimizer.step()` included) and returns `fn`'s outputs, detached (the
+    same tensors every call, refreshed by each replay).
 
     The first `warmup_steps` calls run `fn` eagerly on a side stream (real training steps, as torch's recipe
     warms up before capturing); the next one records and replays, the later ones replay.
@@ -121,6 +128,7 @@ class CapturedStep:
         self._outputs: Any = None
         self._updated: list = []  # the fused weights' handles whose update the graph holds
         self._grads: dict = {}  # the other parameters' gradients, written by every replay
+        self._baked: tuple = ()  # `_what_the_graph_holds` when it was recorded
 
     def __call__(self) -> Any:
         """One training step; returns `fn`'s outputs."""
@@ -131,7 +139,7 @@ class CapturedStep:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                out = self.fn()
+                out = _detached(self.fn())
                 opt.step()
             torch.cuda.current_stream().wait_stream(side)
             opt.zero_grad(set_to_none=True)
@@ -139,6 +147,7 @@ class CapturedStep:
         recorded = self.graph is None
         if not recorded:
             stepper.check_step()  # the param groups' keywords, before anything of the step runs
+            self._check_unchanged()
         if stepper.host_table is not None:
             stepper.stage_host_values()  # this step's values, before the graph reads them
         if recorded:
@@ -154,20 +163,52 @@ class CapturedStep:
         return self._outputs
 
     def _capture(self) -> None:
+        """Record `fn` into `self.graph`. The fused updates' host side runs as the recording goes (step counters,
+        placeholders); where the recording fails, it is undone (nothing ran on the GPU) and the error raised."""
         opt = self.optimizer
         stepper = opt._stepper
         opt.zero_grad(set_to_none=True)  # the graph's backward writes the gradients from its own pool
-        self.graph = torch.cuda.CUDAGraph()
+        counters = {p: stepper.state[p]["step"].clone() for p in stepper.table_slots if "step" in stepper.state[p]}
+        graph = torch.cuda.CUDAGraph()
         stepper.capture_allowed = True
         try:
-            with torch.cuda.graph(self.graph):
-                self._outputs = self.fn()
+            with torch.cuda.graph(graph):
+                self._outputs = _detached(self.fn())
+        except BaseException:
+            for p, count in counters.items():
+                stepper.state[p]["step"].copy_(count)
+            stepper.progress.forget_forwards()
+            stepper.progress.end()
+            opt.zero_grad(set_to_none=True)
+            raise
         finally:
             stepper.capture_allowed = False
+        self.graph = graph
+        self._baked = self._what_the_graph_holds()
         progress = stepper.progress
         self._updated = [h for h in progress.weights.values() if h.updated]
         self._grads = {p: p.grad for p in opt._param_index
                        if p.grad is not None and not isinstance(p.grad, ConsumedGrad)}
+
+    def _what_the_graph_holds(self) -> tuple:
+        """What the recorded kernels were built for and point to, beyond the host table's values: the rounding,
+        each fused weight's variant (its flags), and the addresses of every parameter and state tensor."""
+        stepper = self.optimizer._stepper
+        variants = tuple(resolved_hypers(stepper.spec, stepper.group_hypers(stepper.group_of[p])).variant
+                         for p in stepper.table_slots)
+        addresses = tuple((p.data_ptr(), tuple(t.data_ptr() for t in stepper.state[p].values()
+                                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"))
+                          for p in self.optimizer._param_index)
+        return stepper.rounding, variants, addresses
+
+    def _check_unchanged(self) -> None:
+        """Refuse a replay whose graph no longer fits the optimizer (before anything of the step runs)."""
+        if self._what_the_graph_holds() != self._baked:
+            raise ValueError(
+                "CapturedStep: since the step was recorded, the optimizer's rounding, a flag among the param groups' "
+                "keywords (e.g. amsgrad), or a parameter or state tensor (model.to(), load_state_dict of another "
+                "layout) changed; the recorded kernels would not see it. Nothing of this step ran: build a new "
+                "CapturedStep (it records again)")
 
     def _replayed(self) -> None:
         """The host side of a replayed step, as its eager backward would leave it: each fused weight updated by the

@@ -64,3 +64,27 @@ def test_a_model_step_through_the_shared_host_values_equals_the_reference():
             forge_dsl.reference_step("adamw", r, g.double(), rst, step=step, lr=1e-2, weight_decay=0.1)
     for p, r in zip(params, ref):
         assert (p.double() - r).abs().max() <= 1e-5 * r.abs().max()
+
+
+def test_keywords_resolved_once_per_value_objects_and_again_for_new_or_mutable_ones(monkeypatch):
+    """`steps.resolved_hypers` remembers the resolution of the value objects a param group hands every layer (no
+    key built again), resolves a new value object again, and never trusts a list (mutable in place)."""
+    monkeypatch.setattr(steps, "_BY_IDENTITY", {})
+    monkeypatch.setattr(steps, "_RESOLVED", {})
+    spec = forge_dsl.load_spec("adamw")
+    keys = []
+    real_key = steps._hypers_key
+    monkeypatch.setattr(steps, "_hypers_key", lambda h: (keys.append(1), real_key(h))[1])
+    group = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.0}
+    first = steps.resolved_hypers(spec, dict(group))
+    for _ in range(4):  # every layer of the step: a new dict of the same value objects
+        assert steps.resolved_hypers(spec, dict(group)) is first
+    assert len(keys) == 1
+    group["lr"] = 2e-3  # a scheduler's new value
+    assert steps.resolved_hypers(spec, dict(group)).hypers["lr"] == 2e-3 and len(keys) == 2
+    group["weight_decay"] = -0.0  # equal to 0.0, another sign: another resolution
+    assert steps.resolved_hypers(spec, dict(group)).hypers["weight_decay"] == 0.0 and len(keys) == 3
+    betas = [0.9, 0.99]
+    assert steps.resolved_hypers(spec, {"betas": betas}).hypers["beta2"] == 0.99
+    betas[1] = 0.95  # the same list object, changed in place
+    assert steps.resolved_hypers(spec, {"betas": betas}).hypers["beta2"] == 0.95

@@ -195,3 +195,53 @@ def test_captured_steps_equal_eager_steps(rounding, state_dtype):
         _assert_same(eager, opt_eager, graphed, opt_graphed)
     assert step.graph is not None and step.calls == 6
     assert {int(s["step"]) for s in opt_graphed.state.values()} == {6}
+
+
+def _captured(seed=0, **kw):
+    model = _net(seed)
+    opt = ForgeOptimizer(model, "adamw", lr=1e-2, capturable=True, **kw)
+    x, probe = (t.clone() for t in _batches(1)[0])
+    fail = [False]
+
+    def forward_backward():
+        loss = _loss(model, x, probe)
+        loss.backward()
+        if fail[0]:
+            raise RuntimeError("the step's own error")
+        return loss
+
+    return model, opt, CapturedStep(opt, forward_backward, warmup_steps=1), fail
+
+
+@gpu
+def test_a_recording_that_fails_leaves_the_step_counters_and_weights_as_they_were():
+    model, opt, step, fail = _captured()
+    step()  # the warm-up
+    torch.cuda.synchronize()
+    weights = [p.detach().clone() for p in model.parameters()]
+    counters = {p: int(s["step"]) for p, s in opt.state.items()}
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="the step's own error"):
+        step()
+    torch.cuda.synchronize()
+    assert step.graph is None
+    assert {p: int(s["step"]) for p, s in opt.state.items()} == counters
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    fail[0] = False
+    step()  # records now, and steps every parameter once
+    assert {int(s["step"]) for s in opt.state.values()} == {2}
+
+
+@gpu
+def test_a_replay_the_graph_no_longer_fits_is_refused_before_anything_runs():
+    model, opt, step, _ = _captured()
+    step()
+    step()  # recorded
+    torch.cuda.synchronize()
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt.rounding = "nearest"  # the recorded kernels round stochastically
+    with pytest.raises(ValueError, match="build a new CapturedStep"):
+        step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert {int(s["step"]) for s in opt.state.values()} == {2}
