@@ -267,11 +267,11 @@ def _phased_step(spec: ir.Spec, cfg, param: torch.Tensor, grad: torch.Tensor, st
     tile_state = {s.name: held[s.name] for s in phases.tile.states if s.name in held}
     tile_state.update({name: held[name] for name in phases.tile.scalar_names if name in held})
     reference_step(phases.tile, param, grad, tile_state, step=step, weight_dtype=weight_dtype,
-                   **phases.keywords(phases.tile, cfg.hypers, cfg.flags, param.shape))
+                   **phases.keywords(phases.tile, cfg, param.shape))
     if phases.post is None:
         return
     post_grad, results = run_stage(phases, {**held, "param": param}, cfg.hypers, step)
     post_grad = post_grad.to(param.dtype)
     post_state = {s.name: held[s.name] for s in phases.post.states}
     reference_step(phases.post, param, post_grad, post_state, step=step, weight_dtype=weight_dtype,
-                   **phases.keywords(phases.post, cfg.hypers, cfg.flags, param.shape, results))
+                   **phases.keywords(phases.post, cfg, param.shape, results))

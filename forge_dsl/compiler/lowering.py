@@ -307,6 +307,7 @@ def _lower_cached(spec: ir.Spec, combo: Combo) -> Lowered:
     # Names: a user's temporary name where one bound the node, else tmpN; never reused.
     taken = {h.name for h in spec.hypers} | {s.name for s in spec.states} | {s.name for s in spec.scalars}
     taken |= {f.name for f in spec.flags} | {d.name for d in spec.derived} | {g.name for g in spec.groups}
+    taken |= {c.name for c in spec.choices}
     taken |= {"param", "grad", "step"}
     taken |= {s.target for s in assignments(spec.body)}
     names: dict[int, str] = {}

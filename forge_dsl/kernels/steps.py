@@ -237,15 +237,19 @@ _BY_IDENTITY: dict = {}
 
 
 def _immutable(v) -> bool:
-    """Whether `v` cannot change while its identity stays: a bool, int, float or a tuple of them."""
-    return type(v) in (bool, int, float) or (type(v) is tuple and all(type(m) in (bool, int, float) for m in v))
+    """Whether `v` cannot change while its identity stays: None, a bool, int, float, str or a tuple of them."""
+    return v is None or type(v) in _IMMUTABLE or (type(v) is tuple and all(type(m) in _IMMUTABLE for m in v))
+
+
+_IMMUTABLE = (bool, int, float, str)
 
 
 def _hypers_key(hypers: dict) -> Optional[tuple]:
     """A hashable key that tells apart every two keyword sets `resolve_hypers` could treat differently
-    (types, and the sign of a zero), or None where a value is not a plain number, bool or tuple of them."""
+    (types, and the sign of a zero), or None where a value is not a plain number, bool, word, None or tuple of
+    them."""
     def one(v):
-        if type(v) in (bool, int):
+        if v is None or type(v) in (bool, int, str):
             return (type(v).__name__, v)
         if type(v) is float:
             return ("float", v, math.copysign(1.0, v))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 from . import ir
 from .errors import Loc, SpecError, did_you_mean
@@ -35,11 +35,10 @@ from .scalar_ops import fp32
 from .placement import check_barrier_placement
 from .variants import (
     Combo,
-    children,
     combinations,
     describe_combo,
-    eval_static,
     iter_names,
+    names_read,
     specialize,
     states_present,
     walk_statements,
@@ -65,6 +64,7 @@ _KIND_PHRASES = {
 class Type(enum.Enum):
     REAL = "number"
     BOOL = "boolean"
+    WORD = "word"  # a choice keyword's value, or a quoted word
 
 
 class Level(enum.IntEnum):
@@ -179,14 +179,16 @@ class _Checker:
                 self.check_fp32_default(h)
         for f in spec.flags:
             self.declare(f.name, _Symbol("flag", Type.BOOL, Level.FLAG), f.loc)
+        for c in spec.choices:
+            self.declare(c.name, _Symbol("choice", Type.WORD, Level.HOST), c.loc)
         self.optional = {h.name for h in spec.hypers if h.optional}
         for d in spec.derived:
             t, level = self.infer_declaration_expr(
-                d.expr, allowed=("hyperparameter", "flag", "derived flag"), what=f"flag '{d.name}'"
+                d.expr, allowed=("hyperparameter", "flag", "derived flag", "choice"), what=f"flag '{d.name}'"
             )
             if t is not Type.BOOL:
                 raise self.error(
-                    f"flag '{d.name}' must be true, false or a condition on hyperparameters, not a number",
+                    f"flag '{d.name}' must be true, false or a condition on hyperparameters, not a {t.value}",
                     d.expr.loc,
                 )
             self.declare(d.name, _Symbol("derived flag", Type.BOOL, Level.FLAG), d.loc)
@@ -206,7 +208,7 @@ class _Checker:
             self.check_initial_value(s.init, s.name, scalar=True)
         for r in spec.requires:
             t, _ = self.infer_declaration_expr(
-                r.condition, allowed=("hyperparameter", "flag", "derived flag"), what="a 'require' condition"
+                r.condition, allowed=("hyperparameter", "flag", "derived flag", "choice"), what="a 'require' condition"
             )
             if t is not Type.BOOL:
                 raise self.error("a 'require' condition must be a boolean", r.condition.loc,
@@ -336,6 +338,11 @@ class _Checker:
             return self.refuse_method(expr)
         if isinstance(expr, ir.Given):
             return self.infer_given(expr)
+        if isinstance(expr, ir.Text):
+            if not self.allow_given:
+                raise self.error(f'the word "{expr.value}" may only be compared with a choice keyword, in a derived '
+                                 "flag or a 'require'", expr.loc)
+            return Type.WORD, Level.CONST
         if isinstance(expr, ir.Attribute):
             raise self.error(
                 f"'.{expr.attr}' is not allowed: an element's update may read only its own param, grad and state, "
@@ -358,6 +365,8 @@ class _Checker:
                 self.expect_real(expr.left, lt, f"'{symbol}'")
                 self.expect_real(expr.right, rt, f"'{symbol}'")
                 return Type.REAL, level
+            if Type.WORD in (lt, rt):
+                return self.infer_choice_test(expr, lt, rt)
             if expr.op in ir.COMPARISON_OPS:
                 if expr.op in ("eq", "ne") and lt is Type.BOOL and rt is Type.BOOL:
                     return Type.BOOL, level
@@ -371,6 +380,19 @@ class _Checker:
         if isinstance(expr, ir.Call):
             return self.infer_call(expr, env, defined_somewhere, why)
         raise AssertionError(expr)
+
+    def infer_choice_test(self, expr: ir.Binary, lt: Type, rt: Type) -> tuple[Type, Level]:
+        """`choice == "word"` (or `!=`, either way round): a boolean, when the word is one of the choice's."""
+        names = [e for e in (expr.left, expr.right) if isinstance(e, ir.Name)]
+        words = [e for e in (expr.left, expr.right) if isinstance(e, ir.Text)]
+        if expr.op not in ("eq", "ne") or len(names) != 1 or len(words) != 1:
+            raise self.error("a choice keyword is read only as 'NAME == \"word\"' or 'NAME != \"word\"'", expr.loc)
+        choice = next(c for c in self.spec.choices if c.name == names[0].id)
+        if words[0].value not in choice.values:
+            raise self.error(f'"{words[0].value}" is not a word of \'{choice.name}\''
+                             + did_you_mean(words[0].value, choice.values), words[0].loc,
+                             hint="its words are " + ", ".join(f'"{w}"' for w in choice.values))
+        return Type.BOOL, Level.HOST
 
     def refuse_method(self, expr: ir.Method):
         name = expr.method
@@ -431,6 +453,10 @@ class _Checker:
                 f"'{name}' is a tuple keyword; use its members " + ", ".join(f"'{m}'" for m in members),
                 expr.loc,
             )
+        if sym.kind == "choice" and not self.allow_given:
+            raise self.error(f"choice '{name}' is read only by a derived flag or a 'require'", expr.loc,
+                             hint=f"declare 'flag f = {name} == \"{next(c for c in self.spec.choices if c.name == name).values[-1]}\"' "
+                             "and test the flag with 'if'")
         self.used.add(name)
         return sym.type, sym.level
 
@@ -509,13 +535,13 @@ class _Checker:
                 expr.loc,
                 hint=f"choose between two values with where({expr.id}, a, b)",
             )
-        raise self.error(f"{_describe(expr)} is a boolean; {where} needs a number", expr.loc)
+        raise self.error(f"{_describe(expr)} is a {t.value}; {where} needs a number", expr.loc)
 
     def expect_bool(self, expr: ir.Expr, t: Type, where: str) -> None:
         if t is Type.BOOL:
             return
         raise self.error(
-            f"{_describe(expr)} is a number; {where} needs a boolean",
+            f"{_describe(expr)} is a {t.value}; {where} needs a boolean",
             expr.loc,
             hint="compare it, e.g. 'x > 0'",
         )
@@ -560,7 +586,7 @@ class _Checker:
         for stmt in specialize(self.spec.body, flags):
             sym_env = dict(env)
             t, level = self.infer(stmt.value, sym_env, self.temps_anywhere, why)
-            for n in _reads(stmt.value, flags):
+            for n in names_read(stmt.value, flags):
                 if n.id in self.optional and n.id not in env and not self.given_in(n.id, flags):
                     raise self.error(
                         f"hyperparameter '{n.id}' may be none here{why}: the update may read it only where a "
@@ -618,9 +644,10 @@ class _Checker:
         for h in self.spec.hypers:
             if h.name not in self.used:
                 raise self.error(f"hyperparameter '{h.name}' is never used", h.loc, hint="remove it or use it")
-        for f in list(self.spec.flags) + list(self.spec.derived):
+        for f in list(self.spec.flags) + list(self.spec.derived) + list(self.spec.choices):
             if f.name not in self.used:
-                raise self.error(f"flag '{f.name}' is never used", f.loc, hint="remove it or use it")
+                kind = "choice" if isinstance(f, ir.Choice) else "flag"
+                raise self.error(f"{kind} '{f.name}' is never used", f.loc, hint="remove it or use it")
 
     def run(self) -> None:
         self.check_declarations()
@@ -647,24 +674,6 @@ class _Checker:
                 failing.append(combo)
         if failing:
             check_nonneg(self.spec, failing[0], qualify=len(failing) < len(combos))
-
-
-def _reads(expr: ir.Expr, flags: dict[str, bool]) -> Iterator[ir.Name]:
-    """The names `expr` reads when the flags have these values: a where() on flags reads one branch."""
-    stack = [expr]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, ir.Name):
-            yield e
-        elif isinstance(e, ir.Call) and e.func == "where" and len(e.args) == 3:
-            try:
-                taken = eval_static(e.args[0], flags)
-            except (AssertionError, KeyError, TypeError, ValueError):
-                stack.extend(reversed(e.args))
-            else:
-                stack.append(e.args[1] if taken else e.args[2])
-        else:
-            stack.extend(reversed(children(e)))
 
 
 def _implies_given(expr: ir.Expr, name: str) -> bool:

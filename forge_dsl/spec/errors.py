@@ -16,7 +16,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-__all__ = ["HIDING_CHARACTERS", "Loc", "SpecError", "character_name", "did_you_mean"]
+__all__ = ["HIDING_CHARACTERS", "Loc", "SpecError", "character_name", "did_you_mean", "pasted_character_hint",
+           "shown_character"]
 
 # Characters a spec may not hold anywhere, comments and strings included (docs/LANGUAGE.md, 2): line breaks to
 # editors that the lexer does not count (what an editor shows after one in a comment as code is comment), and
@@ -109,3 +110,45 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """`"; did you mean 'x'?"` for the closest candidate, or `""` when none is close."""
     close = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def shown_character(c: str) -> str:
+    """`'$'`; beyond ASCII, with its code point and name: `'а' (U+0430 CYRILLIC SMALL LETTER A)`, and without
+    the character itself where it shows as nothing or as a space (`U+00A0 NO-BREAK SPACE`)."""
+    if c.isascii() and c.isprintable():
+        return f"'{c}'"
+    return f"'{c}' ({character_name(c)})" if c.isprintable() and not c.isspace() else character_name(c)
+
+
+# Characters pasted from documents and papers, and the ASCII the language spells them with.
+_ASCII_FOR = {
+    **dict.fromkeys("\u2010\u2011\u2012\u2013\u2014\u2015\u2212\ufe58\ufe63", "-"),
+    **dict.fromkeys("\u00d7\u00b7\u2217\u2219\u22c5", "*"),
+    **dict.fromkeys("\u00f7\u2044\u2215", "/"),
+    **dict.fromkeys("\u2018\u2019\u201a\u201b\u201c\u201d\u201e\u201f\u00ab\u00bb\u2032\u2033", '"'),
+    "\u2264": "<=", "\u2265": ">=", "\u2260": "!=", "\u2227": "and", "\u2228": "or", "\u00ac": "not",
+    "\u221e": "inf",
+}
+# Letters of other scripts that look like Latin ones (homoglyphs), and the Latin letter each looks like.
+_LOOKALIKES = dict(zip("аеорсухіјѕԁӏԛԝАВЕКМНОРСТХІЈЅαοινκρτυχΑΒΕΖΗΙΚΜΝΟΡΤΥΧ",
+                       "aeopcyxijsdlqwABEKMHOPCTXIJSaoivkptuxABEZHIKMNOPTYX"))
+_INVISIBLE = set("\u200b\u200c\u200d\u2060\ufeff\u00ad")
+
+
+def pasted_character_hint(c: str) -> Optional[str]:
+    """What to write instead of a character the lexer refuses, where one can say: `use '-'` for U+2212."""
+    if c in _ASCII_FOR:
+        return f"use '{_ASCII_FOR[c]}'"
+    if c in _INVISIBLE:
+        return "delete it: it is invisible, and not part of the language"
+    if unicodedata.category(c) == "Zs":
+        return "use an ordinary space"
+    ascii_form = unicodedata.normalize("NFKC", c)
+    if ascii_form != c and ascii_form.isascii() and ascii_form.isprintable() and ascii_form.strip():
+        return f"use '{ascii_form}'"
+    if c.isalnum() and not c.isascii():
+        hint = "only ASCII letters, digits and '_' may form a name"
+        if c in _LOOKALIKES:
+            hint += f"; this '{c}' looks like the Latin '{_LOOKALIKES[c]}'"
+        return hint
+    return None

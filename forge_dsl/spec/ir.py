@@ -110,7 +110,15 @@ class Given:
     loc: Loc = _loc()
 
 
-Expr = Union[Num, BoolLit, Name, Unary, Binary, Call, Index, Attribute, Method, Given]
+@dataclass(frozen=True)
+class Text:
+    """A quoted word, `"match_rms_adamw"`: compared with a `choice` keyword, in a derived flag or a `require`."""
+
+    value: str
+    loc: Loc = _loc()
+
+
+Expr = Union[Num, BoolLit, Name, Unary, Binary, Call, Index, Attribute, Method, Given, Text]
 
 ARITHMETIC_OPS = ("add", "sub", "mul", "div", "pow")
 COMPARISON_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
@@ -201,6 +209,20 @@ class Flag:
 
     name: str
     default: bool
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A keyword that takes one of a few words, as torch.optim.Muon's `adjust_lr_fn="match_rms_adamw"`:
+    `choice adjust_lr_fn = none in ("original", "match_rms_adamw")`. `default` is one of `values`, or None
+    (written `none`: the keyword also accepts None, its default). Only derived flags and `require`s read it,
+    by comparing it with one of its words (`flag f = adjust_lr_fn == "match_rms_adamw"`); the words are
+    identifiers, so nothing but a flag's value reaches generated code."""
+
+    name: str
+    default: Optional[str]
+    values: tuple[str, ...]
     loc: Loc = _loc()
 
 
@@ -303,11 +325,12 @@ class Spec:
         hypers: every real hyperparameter, tuple members included, in order.
         groups: tuple keywords.
         flags: boolean keywords.
-        derived: flags computed from hyperparameters.
+        derived: flags computed from hyperparameters (and choices).
         states: per-element states.
         scalars: per-tensor scalar states.
         requires: cross-hyperparameter checks.
         body: the update, as statements.
+        choices: keywords that take one of a few words.
         path: the file it came from (for messages); not compared.
         source: its text (for messages); not compared.
     """
@@ -322,6 +345,7 @@ class Spec:
     scalars: tuple[ScalarState, ...]
     requires: tuple[Require, ...]
     body: tuple[Stmt, ...]
+    choices: tuple[Choice, ...] = ()
     path: str = field(default="<string>", compare=False, repr=False)
     source: str = field(default="", compare=False, repr=False)
     loc: Loc = _loc()
@@ -355,6 +379,8 @@ class Spec:
             out[g.name] = tuple(by_name[m].default for m in g.members)
         for f in self.flags:
             out[f.name] = f.default
+        for c in self.choices:
+            out[c.name] = c.default
         return out
 
 

@@ -36,12 +36,15 @@ class StepConfig:
         variant: the compiled variant that runs it (`variants.variant_of`: without the runtime flags).
         host_inputs: what a variant's host program reads by name: `hypers` and the flags (the runtime
             flags' values among them).
+        choices: every choice keyword's word (None where its default is none and none was given); only the
+            derived flags read them, so the kernels never do.
     """
 
     hypers: dict[str, Optional[float]]
     flags: dict[str, bool]
     combo: Combo
     variant: Combo = ()
+    choices: dict[str, Optional[str]] = field(default_factory=dict)
     host_inputs: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -144,9 +147,10 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
     groups = {g.name: g for g in spec.groups}
     hypers = {h.name: h for h in spec.hypers}
     flags = {f.name: f for f in spec.flags}
-    known = list(groups) + list(hypers) + list(flags)
+    choices = {c.name: c for c in spec.choices}
+    known = list(groups) + list(hypers) + list(flags) + list(choices)
     for key in kwargs:
-        if key not in groups and key not in hypers and key not in flags:
+        if key not in groups and key not in hypers and key not in flags and key not in choices:
             raise TypeError(
                 f"{caller}() got an unexpected keyword argument '{key}' for optimizer '{spec.name}'"
                 + did_you_mean(key, known)
@@ -192,6 +196,8 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
         flag_values[name] = v
     scope: dict[str, Any] = dict(values)
     scope.update(flag_values)
+    words = {name: _choice(spec, c, kwargs.get(name, c.default)) for name, c in choices.items()}
+    scope.update(words)
     for d in spec.derived:
         flag_values[d.name] = bool(evaluate(d.expr, scope))
         scope[d.name] = flag_values[d.name]
@@ -201,7 +207,16 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
     combo = tuple((f.name, flag_values[f.name]) for f in spec.flags) + tuple(
         (d.name, flag_values[d.name]) for d in spec.derived
     )
-    return StepConfig(values, flag_values, combo, variant_of(spec, combo))
+    return StepConfig(values, flag_values, combo, variant_of(spec, combo), words)
+
+
+def _choice(spec: ir.Spec, choice: ir.Choice, value: Any) -> Optional[str]:
+    """`value` as a word of `choice` (None where its default is none), or a torch-style ValueError naming it."""
+    if value is None and choice.default is None or isinstance(value, str) and value in choice.values:
+        return value
+    words = ", ".join(repr(w) for w in choice.values) + (" or None" if choice.default is None else "")
+    raise ValueError(f"Invalid {choice.name}: {_short(value)}; {spec.name} expects one of {words}"
+                     + (did_you_mean(value, choice.values) if isinstance(value, str) else ""))
 
 
 def _show(v: float) -> str:

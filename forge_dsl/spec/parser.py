@@ -17,7 +17,8 @@ import lark
 from lark import Lark, Token, Transformer, v_args
 
 from . import ir
-from .errors import BIDI_CONTROLS, HIDING_CHARACTERS, Loc, SpecError, character_name
+from .errors import (BIDI_CONTROLS, HIDING_CHARACTERS, Loc, SpecError, character_name, pasted_character_hint,
+                     shown_character)
 from .names import NOT_ELEMENT_WISE_HINT
 
 __all__ = ["parse_spec", "grammar_text"]
@@ -50,7 +51,7 @@ _TOKEN_WORDS = {
     "$END": "the end of the file",
 }
 # Terminals that can start an expression, and operators that can follow one.
-_EXPR_START = {"NAME", "NUMBER", "LPAR", "MINUS", "PLUS", "TRUE", "FALSE", "INF", "NOT", "GIVEN"}
+_EXPR_START = {"NAME", "NUMBER", "LPAR", "MINUS", "PLUS", "TRUE", "FALSE", "INF", "NOT", "GIVEN", "STRING"}
 _OPERATORS = {"PLUS", "MINUS", "STAR", "SLASH", "COMPARE", "AND", "OR", "DOT", "LSQB", "LPAR"}
 _BRACKETS = {"LPAR": ("(", ")"), "LSQB": ("[", "]"), "LBRACE": ("{", "}")}
 _CLOSERS = {"RPAR": "LPAR", "RSQB": "LSQB", "RBRACE": "LBRACE"}
@@ -171,8 +172,8 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) 
             return SpecError("syntax error: '@' (a matrix product) is not in the language: an element's update reads "
                              "only its own param, grad and state", loc, source, NOT_ELEMENT_WISE_HINT)
         hint = 'a string is written "like this", on one line and without backslashes' if char == '"' else None
-        return SpecError(f"syntax error: unexpected character {_shown_character(char)}", loc, source,
-                         hint or _pasted_character_hint(char))
+        return SpecError(f"syntax error: unexpected character {shown_character(char)}", loc, source,
+                         hint or pasted_character_hint(char))
     if isinstance(err, lark.exceptions.UnexpectedToken):
         tok = err.token
         expected = _accepted(err)
@@ -245,48 +246,6 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, path: str, source: str) 
     return SpecError(f"syntax error: {err}", Loc(path, line, col), source)
 
 
-def _shown_character(c: str) -> str:
-    """`'$'`; beyond ASCII, with its code point and name: `'а' (U+0430 CYRILLIC SMALL LETTER A)`, and without
-    the character itself where it shows as nothing or as a space (`U+00A0 NO-BREAK SPACE`)."""
-    if c.isascii() and c.isprintable():
-        return f"'{c}'"
-    return f"'{c}' ({character_name(c)})" if c.isprintable() and not c.isspace() else character_name(c)
-
-
-# Characters pasted from documents and papers, and the ASCII the language spells them with.
-_ASCII_FOR = {
-    **dict.fromkeys("\u2010\u2011\u2012\u2013\u2014\u2015\u2212\ufe58\ufe63", "-"),
-    **dict.fromkeys("\u00d7\u00b7\u2217\u2219\u22c5", "*"),
-    **dict.fromkeys("\u00f7\u2044\u2215", "/"),
-    **dict.fromkeys("\u2018\u2019\u201a\u201b\u201c\u201d\u201e\u201f\u00ab\u00bb\u2032\u2033", '"'),
-    "\u2264": "<=", "\u2265": ">=", "\u2260": "!=", "\u2227": "and", "\u2228": "or", "\u00ac": "not",
-    "\u221e": "inf",
-}
-# Letters of other scripts that look like Latin ones (homoglyphs), and the Latin letter each looks like.
-_LOOKALIKES = dict(zip("аеорсухіјѕԁӏԛԝАВЕКМНОРСТХІЈЅαοινκρτυχΑΒΕΖΗΙΚΜΝΟΡΤΥΧ",
-                       "aeopcyxijsdlqwABEKMHOPCTXIJSaoivkptuxABEZHIKMNOPTYX"))
-_INVISIBLE = set("\u200b\u200c\u200d\u2060\ufeff\u00ad")
-
-
-def _pasted_character_hint(c: str) -> Optional[str]:
-    """What to write instead of a character the lexer refuses, where one can say: `use '-'` for U+2212."""
-    if c in _ASCII_FOR:
-        return f"use '{_ASCII_FOR[c]}'"
-    if c in _INVISIBLE:
-        return "delete it: it is invisible, and not part of the language"
-    if unicodedata.category(c) == "Zs":
-        return "use an ordinary space"
-    ascii_form = unicodedata.normalize("NFKC", c)
-    if ascii_form != c and ascii_form.isascii() and ascii_form.isprintable() and ascii_form.strip():
-        return f"use '{ascii_form}'"
-    if c.isalnum() and not c.isascii():
-        hint = "only ASCII letters, digits and '_' may form a name"
-        if c in _LOOKALIKES:
-            hint += f"; this '{c}' looks like the Latin '{_LOOKALIKES[c]}'"
-        return hint
-    return None
-
-
 def _loc_at(path: str, source: str, pos: int) -> Loc:
     """The one-character span at offset `pos` of `source` (lines counted at '\\n', as everywhere)."""
     line = source.count("\n", 0, pos) + 1
@@ -294,6 +253,7 @@ def _loc_at(path: str, source: str, pos: int) -> Loc:
     return Loc(path, line, col, line, col + 1)
 
 
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a choice's word
 _HIDING = re.compile("[" + "".join(sorted(HIDING_CHARACTERS)) + "]")
 
 
@@ -488,6 +448,33 @@ class _ToIR(Transformer):
         return ir.DerivedFlag(str(name), expr, loc=loc)
 
     @v_args(meta=True)
+    def choice(self, meta, children):
+        name, default, *values = children
+        words = []
+        for tok in values:
+            word = self._word(tok)
+            if word in words:
+                raise SpecError(f"the word \"{word}\" is listed twice", _token_loc(self.path, tok), self.source)
+            words.append(word)
+        if default.type == "NONE":
+            return ir.Choice(str(name), None, tuple(words), loc=_token_loc(self.path, name))
+        word = self._word(default)
+        if word not in words:
+            raise SpecError(f"the default \"{word}\" of '{name}' is not one of its words "
+                            + ", ".join(f'"{w}"' for w in words), _token_loc(self.path, default), self.source,
+                            hint="list it after 'in', or make the default 'none'")
+        return ir.Choice(str(name), word, tuple(words), loc=_token_loc(self.path, name))
+
+    def _word(self, tok: Token) -> str:
+        """A choice's word: the quoted text of `tok`, which must be an identifier (it names a keyword's value,
+        and `forge-gen` may print it)."""
+        word = tok.value[1:-1]
+        if not _WORD.fullmatch(word):
+            raise SpecError(f"the word \"{word}\" must be an identifier (letters, digits and '_', not starting "
+                            "with a digit)", _token_loc(self.path, tok), self.source)
+        return word
+
+    @v_args(meta=True)
     def state(self, meta, children):
         name, init = children[0], children[1]
         modifiers = [c for c in children[2:] if isinstance(c, Token) and c.type in ("NONNEG", "EXACT")]
@@ -603,6 +590,10 @@ class _ToIR(Transformer):
     del _binary
 
     @v_args(meta=True)
+    def text(self, meta, children):
+        return ir.Text(self._word(children[0]), loc=self._loc(meta))
+
+    @v_args(meta=True)
     def compare(self, meta, children):
         left, op, right = children
         return ir.Binary(ir.COMPARE_SYMBOLS[op.value], left, right, loc=self._loc(meta))
@@ -611,7 +602,7 @@ class _ToIR(Transformer):
     @v_args(meta=True)
     def start(self, meta, children):
         _, name, doc, name_loc = children[0]
-        hypers, groups, flags, derived, states, scalars, requires = [], [], [], [], [], [], []
+        hypers, groups, flags, derived, states, scalars, requires, choices = [], [], [], [], [], [], [], []
         body: tuple = ()
         for item in children[1:]:
             if isinstance(item, ir.Hyper):
@@ -623,6 +614,8 @@ class _ToIR(Transformer):
                 flags.append(item)
             elif isinstance(item, ir.DerivedFlag):
                 derived.append(item)
+            elif isinstance(item, ir.Choice):
+                choices.append(item)
             elif isinstance(item, ir.State):
                 states.append(item)
             elif isinstance(item, ir.ScalarState):
@@ -642,6 +635,7 @@ class _ToIR(Transformer):
             scalars=tuple(scalars),
             requires=tuple(requires),
             body=body,
+            choices=tuple(choices),
             path=self.path,
             source=self.source,
             loc=name_loc,

@@ -93,15 +93,16 @@ class Plan:
     shape_keywords: Mapping[str, str]
     post_grad: Optional[str] = None
 
-    def keywords(self, phase: ir.Spec, hypers: Mapping[str, Optional[float]], flags: Mapping[str, bool],
-                 shape, results: Optional[Mapping[str, float]] = None) -> dict:
-        """`phase`'s keyword values: the spec's resolved `hypers` (tuple members by name, `StepConfig.hypers`) and
-        `flags` (`StepConfig.flags`), the weight's `shape` as `rows` / `cols`, and the per-tensor barriers'
-        `results` by target."""
+    def keywords(self, phase: ir.Spec, cfg, shape, results: Optional[Mapping[str, float]] = None) -> dict:
+        """`phase`'s keyword values: the spec's resolved keywords `cfg` (a `keywords.StepConfig`: its hypers, tuple
+        members by name, its flags and choices), the weight's `shape` as `rows` / `cols`, and the per-tensor
+        barriers' `results` by target."""
+        hypers, flags = cfg.hypers, cfg.flags
         shape_of = {keyword: value for name, value in shape_values(shape).items()
                     for keyword in [self.shape_keywords.get(name)] if keyword is not None}
         results = results or {}
         out: dict = {f.name: flags[f.name] for f in phase.flags}
+        out.update({c.name: cfg.choices[c.name] for c in phase.choices})
         for h in phase.hypers:
             out[h.name] = shape_of[h.name] if h.name in shape_of else results[h.name] if h.name in results \
                 else hypers[h.name]
@@ -294,7 +295,8 @@ def _phase(spec: ir.Spec, suffix: str, body: tuple, states: tuple, scalars: tupl
     phase = ir.Spec(
         name=spec.name + suffix, doc=None, hypers=hypers, groups=(),
         flags=tuple(f for f in spec.flags if f.name in reads), derived=derived,
-        states=tuple(states), scalars=tuple(scalars), requires=(), body=body)
+        states=tuple(states), scalars=tuple(scalars), requires=(), body=body,
+        choices=tuple(c for c in spec.choices if c.name in reads))
     text = print_spec(phase)
     try:
         return check_spec(parse_spec(text, spec.path))  # the spec's path: the loader looks beside it

@@ -2,7 +2,7 @@
 
 Parentheses appear only where precedence needs them; numbers are printed in
 their shortest exact form; declarations come in a fixed order (hyperparameters
-in declaration order, then flags, derived flags, states, scalars, requires).
+in declaration order, then flags, choices, derived flags, states, scalars, requires).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def print_expr(e: ir.Expr) -> str:
         return f"{_wrap(e.base, _ATOM)}[{', '.join(print_expr(a) for a in e.indices)}]"
     if isinstance(e, ir.Given):
         return f"given({e.name})"
+    if isinstance(e, ir.Text):
+        return _quoted(e.value)
     if isinstance(e, ir.Method):
         base = _wrap(e.base, _ATOM)
         if isinstance(e.base, ir.Num):
@@ -88,6 +90,10 @@ def _wrap(e: ir.Expr, min_prec: int) -> str:
 
 def _number(v: float) -> str:
     return ir.format_number(v)
+
+
+def _quoted(word: str) -> str:
+    return f'"{word}"'
 
 
 def _interval(iv: ir.Interval) -> str:
@@ -136,6 +142,9 @@ def print_spec(spec: ir.Spec) -> str:
             lines.append(f"hyper {g.name} = ({members}){_interval(g.interval)}")
     for f in spec.flags:
         lines.append(f"flag {f.name} = {'true' if f.default else 'false'}")
+    for c in spec.choices:
+        default = "none" if c.default is None else _quoted(c.default)
+        lines.append(f"choice {c.name} = {default} in ({', '.join(map(_quoted, c.values))})")
     for d in spec.derived:
         lines.append(f"flag {d.name} = {print_expr(d.expr)}")
     for s in spec.states:

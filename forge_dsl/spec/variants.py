@@ -20,7 +20,7 @@ from .scalar_ops import apply_scalar_op
 
 __all__ = ["Combo", "combinations", "runtime_flags", "variants", "variant_of", "describe_combo", "evaluate",
            "eval_static", "specialize", "states_present", "walk_statements", "assignments", "children",
-           "iter_calls", "iter_names", "walk"]
+           "iter_calls", "iter_names", "names_read", "walk"]
 
 Combo = tuple[tuple[str, bool], ...]
 
@@ -69,14 +69,14 @@ def describe_combo(combo: Combo) -> str:
 
 def evaluate(expr: ir.Expr, values: Mapping[str, Any]):
     """The value of an expression over named values (Python floats and bools): flags for a compile-time
-    condition; hyperparameters and flags for a derived flag or a `require` (`given(h)`: whether `values[h]`
-    is not None).
+    condition; hyperparameters, flags and choices (words, or None) for a derived flag or a `require`
+    (`given(h)`: whether `values[h]` is not None).
 
     Raises:
         KeyError: a name without a value.
         AssertionError: an expression no declaration can hold (indexing, a method call).
     """
-    if isinstance(expr, (ir.Num, ir.BoolLit)):
+    if isinstance(expr, (ir.Num, ir.BoolLit, ir.Text)):
         return expr.value
     if isinstance(expr, ir.Given):
         return values[expr.name] is not None
@@ -162,3 +162,21 @@ def iter_names(expr: ir.Expr) -> Iterator[ir.Name]:
 def iter_calls(expr: ir.Expr) -> Iterator[ir.Call]:
     """Every call in `expr`, outermost first."""
     return (e for e in walk(expr) if isinstance(e, ir.Call))
+
+
+def names_read(expr: ir.Expr, flags: dict[str, bool]) -> Iterator[ir.Name]:
+    """The names `expr` reads when the flags have these values: a where() on flags reads one branch."""
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, ir.Name):
+            yield e
+        elif isinstance(e, ir.Call) and e.func == "where" and len(e.args) == 3:
+            try:
+                taken = eval_static(e.args[0], flags)
+            except (AssertionError, KeyError, TypeError, ValueError):
+                stack.extend(reversed(e.args))
+            else:
+                stack.append(e.args[1] if taken else e.args[2])
+        else:
+            stack.extend(reversed(children(e)))

@@ -122,7 +122,8 @@ def draw_keywords(spec: ir.Spec, combo: Combo, rng: random.Random) -> Optional[d
     """Keywords that select `combo` and pass every `require`, with as many hyperparameters away from their
     defaults as can be; None when no draw of `ATTEMPTS` reaches the combination (a contradictory one).
 
-    Flags are set directly; a derived flag through its hyperparameters: a draw that gives it the wrong
+    Flags are set directly; a derived flag through its hyperparameters and choices (each drawn among its
+    words, and None where that is its default): a draw that gives it the wrong
     value, or fails a `require`, is retried with some hyperparameters at their defaults (or, without
     one, 0 where the range holds it).
     """
@@ -144,6 +145,7 @@ def draw_keywords(spec: ir.Spec, combo: Combo, rng: random.Random) -> Optional[d
                 values[h.name] = rng.choice(fallback)
                 moved += values[h.name] != h.default
         kw = keywords_of(spec, values, flags)
+        kw.update({c.name: rng.choice(c.values + (None,) * (c.default is None)) for c in spec.choices})
         try:
             cfg = resolve_hypers(spec, kw)
         except ValueError:  # a require

@@ -57,7 +57,7 @@ class PhasedUpdate:
 
     def tile_keywords(self, param: torch.Tensor, cfg: StepConfig) -> dict:
         """The tile phase's keyword values for `param` (the spec's resolved `cfg`, the weight's shape)."""
-        return self.plan.keywords(self.plan.tile, cfg.hypers, cfg.flags, param.shape)
+        return self.plan.keywords(self.plan.tile, cfg, param.shape)
 
     def finish(self, param: torch.Tensor, tile_state: Mapping[str, Any], cfg: StepConfig, *, step: int, seed: int,
                rounding: str) -> None:
@@ -68,7 +68,7 @@ class PhasedUpdate:
             return
         grad, results = run_stage(phases, {**tile_state, "param": param}, cfg.hypers, step)
         elementwise_step(phases.post, param, grad, dict(tile_state), step=step, seed=seed, rounding=rounding,
-                         **phases.keywords(phases.post, cfg.hypers, cfg.flags, param.shape, results))
+                         **phases.keywords(phases.post, cfg, param.shape, results))
 
 
 def phased_refusal(spec: ir.Spec, params: list[tuple[str, torch.Tensor]], *, state_dtype, max_grad_norm,

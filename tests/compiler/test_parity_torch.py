@@ -148,12 +148,12 @@ def test_lion(lr, b1, b2, wd, shape, seed, steps):
 @SETTINGS
 @given(lr=lr, momentum=st.floats(0.0, 0.99), wd=small, nesterov=st.booleans(), ns_steps=st.integers(0, 7),
        eps=st.sampled_from([1e-7, 1e-3]), shape=st.tuples(st.integers(1, 9), st.integers(1, 13)), seed=seed,
-       steps=steps)
-def test_muon(lr, momentum, wd, nesterov, ns_steps, eps, shape, seed, steps):
+       steps=steps, adjust_lr_fn=st.sampled_from([None, "original", "match_rms_adamw"]))
+def test_muon(lr, momentum, wd, nesterov, ns_steps, eps, shape, seed, steps, adjust_lr_fn):
     """Newton-Schulz runs in bfloat16 in both (the same operations on the same bfloat16 matrix), the rest in
     float64."""
     kw = dict(lr=lr, momentum=momentum, weight_decay=wd, nesterov=nesterov, ns_steps=ns_steps, eps=eps,
-              ns_coefficients=(3.4445, -4.775, 2.0315))
+              ns_coefficients=(3.4445, -4.775, 2.0315), adjust_lr_fn=adjust_lr_fn)
     run_against("muon", torch.optim.Muon, kw, ["momentum_buffer"], shape, seed, steps)
 
 

@@ -236,6 +236,65 @@ def test_optional_guard_must_imply_given():
         load(text)
 
 
+CHOICE = """
+optimizer signed_or_not
+hyper lr = 1e-3 in [0, inf)
+choice mode = none in ("plain", "by_sign", "clipped")
+flag signed = mode == "by_sign"
+flag clipped = mode == "clipped"
+require mode != "clipped" or lr <= 1, "clipped needs lr <= 1"
+
+update {
+    if signed {
+        param = param - lr * sign(grad)
+    } else if clipped {
+        param = param - lr * clamp(grad, -1, 1)
+    } else {
+        param = param - lr * grad
+    }
+}
+"""
+
+
+def test_choice_resolves_to_its_word_and_sets_its_flags():
+    """A choice keyword: None (its default) or one of its words, read by derived flags and requires; anything
+    else refused naming it."""
+    spec = load(CHOICE)
+    assert spec.keyword_defaults()["mode"] is None
+    assert resolve_hypers(spec, {}).flags == {"signed": False, "clipped": False}
+    assert resolve_hypers(spec, {"mode": "plain"}).flags == {"signed": False, "clipped": False}
+    on = resolve_hypers(spec, {"mode": "by_sign"})
+    assert on.flags == {"signed": True, "clipped": False} and on.choices == {"mode": "by_sign"}
+    assert resolve_hypers(spec, {"mode": "clipped"}).combo == (("signed", False), ("clipped", True))
+    with pytest.raises(ValueError, match="clipped needs lr <= 1"):
+        resolve_hypers(spec, {"mode": "clipped", "lr": 2.0})
+    message = r"Invalid mode: 'by_signs'; signed_or_not expects one of 'plain', 'by_sign', 'clipped' or None; did"
+    with pytest.raises(ValueError, match=message):
+        resolve_hypers(spec, {"mode": "by_signs"})
+    for bad in (True, 1, b"by_sign", ("by_sign",)):
+        with pytest.raises(ValueError, match="Invalid mode"):
+            resolve_hypers(spec, {"mode": bad})
+    # without 'none', None is refused and the default word is used
+    fixed = load(CHOICE.replace('= none in', '= "plain" in'))
+    assert resolve_hypers(fixed, {}).choices == {"mode": "plain"}
+    with pytest.raises(ValueError, match="expects one of 'plain', 'by_sign', 'clipped'$"):
+        resolve_hypers(fixed, {"mode": None})
+    # each word lowers to its own variant; the generated source holds no word
+    from forge_dsl.compiler.codegen import render_module
+    source = render_module(spec)
+    assert not any(f"{q}{word}{q}" in source for word in ("plain", "by_sign") for q in "'\"")
+
+
+def test_cached_keywords_tell_words_apart():
+    """kernels.steps remembers resolved keywords; two words (or a word and None) are two entries."""
+    from forge_dsl.kernels.steps import resolved_hypers
+    spec = load(CHOICE)
+    assert resolved_hypers(spec, {"mode": "by_sign"}).flags["signed"] is True
+    assert resolved_hypers(spec, {"mode": "clipped"}).flags["signed"] is False
+    assert resolved_hypers(spec, {"mode": None}).flags == {"signed": False, "clipped": False}
+    assert resolved_hypers(spec, {"mode": "by_sign"}).flags["signed"] is True
+
+
 # -- characters that hide code, and characters pasted from elsewhere ----------
 
 # Line breaks to editors but not to the lexer, and bidirectional-text controls (Trojan Source).

@@ -193,13 +193,15 @@ def test_random_declarations_roundtrip(default, interval, members, group_interva
         groups=(ir.HyperGroup("bs", tuple(f"b{i}" for i in range(len(members))), group_interval),),
         flags=(ir.Flag("amsgrad", flag),),
         derived=(ir.DerivedFlag("big", ir.Binary("gt", ir.Name("lr"), ir.Num(1.0))),
-                 ir.DerivedFlag("has_t", ir.Binary("and", ir.Given("t"), ir.Name("big")))),
+                 ir.DerivedFlag("has_t", ir.Binary("and", ir.Given("t"), ir.Name("big"))),
+                 ir.DerivedFlag("fast", ir.Binary("ne", ir.Text("quick"), ir.Name("mode")))),
+        choices=(ir.Choice("mode", None if flag else "quick", ("slow", "quick")),),
         states=(
             ir.State("m", ir.Unary("neg", ir.Num(1.0)), nonneg, ir.Unary("not", ir.Name("amsgrad")), exact=exact),
             ir.State("v", init, exact=not exact),
         ),
         scalars=(ir.ScalarState("s", ir.Num(math.inf)),),
-        requires=(ir.Require(ir.Binary("or", ir.Name("big"), ir.Name("amsgrad")), doc),),
+        requires=(ir.Require(ir.Binary("or", ir.Name("big"), ir.Binary("eq", ir.Name("mode"), ir.Text("slow"))), doc),),
         body=(
             ir.If(ir.Name("amsgrad"), (ir.Assign("param", ir.Name("grad")),),
                   (ir.If(ir.Name("big"), (), (ir.Assign("v", ir.Num(1.0)),)),)),

@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-import forge_dsl
 from forge_dsl import CapturedStep, ForgeOptimizer
 from forge_dsl.kernels import host_table
 from forge_dsl.training import stepper as stepper_module

@@ -77,6 +77,23 @@ def test_muon_in_backward_equals_torch_muon(nesterov, path):
         assert int(opt.state[p]["step"]) == 10
 
 
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+def test_muon_adjust_lr_fn_in_backward_equals_torch_muon(adjust_lr_fn):
+    """torch.optim.Muon's adjust_lr_fn, fused into backward: Moonshot's 0.2 * sqrt(max(rows, cols)) (1.96 for the
+    96 x 64 layer, 1.55 for 40 x 96) is far outside UPDATE_TOL of the original sqrt(max(1, rows / cols))."""
+    theirs = make_matrices()
+    ours = twin(theirs, make_matrices)
+    start = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    ref = torch.optim.Muon(theirs.parameters(), adjust_lr_fn=adjust_lr_fn, **MUON)
+    opt = ForgeOptimizer(ours, "muon", adjust_lr_fn=adjust_lr_fn, **MUON)
+    assert opt.param_groups[0]["adjust_lr_fn"] == adjust_lr_fn
+    batches = mlp_batches(10)
+    run(theirs, ref, batches, mlp_loss)
+    run(ours, opt, batches, mlp_loss)
+    assert_updates_close(ours, theirs, start)
+    assert opt.state_dict()["param_groups"][0]["adjust_lr_fn"] == adjust_lr_fn
+
+
 def test_muon_on_a_tiny_llama_beside_adamw():
     """The recipe of Muon's authors: Muon for the hidden matrices, AdamW for the rest (embeddings, head, norms),
     as two optimizers; FORGE's Muon fused into backward against torch.optim.Muon, ten steps."""
