@@ -19,14 +19,14 @@ they scale); the buffer (`accumulation_dtype="fp32"`, the default) too.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 from . import tensor_parallel
 
 __all__ = ["ACCUMULATE", "APPLY", "ACCUMULATION_DTYPES", "GradRows", "MEASURE", "SCALED", "UPDATE",
-           "check_accumulation", "check_max_grad_norm", "clip_coefficient", "leaves", "square_sum"]
+           "check_accumulation", "check_max_grad_norm", "clip_coefficient", "clipped_backward", "leaves", "square_sum"]
 
 UPDATE = "update"  # the plain fused update (no clipping, no accumulation)
 MEASURE = "measure"
@@ -109,6 +109,55 @@ def clip_coefficient(squares: torch.Tensor, grads: Iterable[torch.Tensor], max_n
         total += local
     norm = total.sqrt()
     return norm, torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+
+
+def clipped_backward(loss: torch.Tensor, progresses: Sequence, params: Sequence[torch.Tensor], max_norm: float,
+                     is_placeholder: Callable[[torch.Tensor], bool]) -> torch.Tensor:
+    """`ForgeOptimizer.backward`'s two passes from `loss` for the optimizers whose steps' `progresses`
+    (`weight.StepProgress`, one per optimizer: several for a `training.mixed` optimizer, clipped by their
+    parameters' one global norm) hold `params`; returns the total norm (0-d float32, on the device) and leaves
+    (norm, coefficient) in each progress's `clip` for `step()`, which scales the `.grad`s it steps by it.
+
+    MEASURE (`retain_graph=True`): each fused weight's squared gradient norm, summed on the device, and the other
+    parameters' `.grad`s; nothing updated. SCALED: each fused weight's update from its gradient times the
+    coefficient. Every leaf the first pass gave a `.grad` (the parameters, an input with requires_grad, another
+    optimizer's parameter) keeps that one: the second pass adds nothing to it. `is_placeholder(grad)`: a fused
+    weight's `.grad` that holds no gradient."""
+    if any(p.clip is not None or any(h.updated for h in p.weights.values()) for p in progresses):
+        raise RuntimeError("optimizer.backward(loss) ran a second time before optimizer.step(): this step's "
+                           "clipped update was already applied. For gradient accumulation over k micro-batches "
+                           "construct the optimizer with accumulation_steps=k (and call loss.backward() for "
+                           "each), or call optimizer.step() after every backward.")
+    for progress in progresses:
+        progress.grad_pass = MEASURE
+    try:
+        loss.backward(retain_graph=True)
+    except BaseException:
+        for progress in progresses:
+            progress.end_pass()
+            progress.forget_forwards()  # the batch runs again from its forward
+        raise
+    measured = [progress.squares for progress in progresses if progress.squares is not None]
+    squares = measured[0] if measured else torch.zeros((), dtype=torch.float32, device=loss.device)
+    for more in measured[1:]:  # none measured: every fused weight shared or unused in this forward
+        squares = squares + more.to(squares.device)
+    grads = [p.grad for p in params if p.grad is not None and not is_placeholder(p.grad)]
+    norm, coefficient = clip_coefficient(squares, grads, max_norm)
+    kept = {t: t.grad for t in [*leaves(loss), *params] if t.grad is not None and not is_placeholder(t.grad)}
+    for t in kept:
+        t.grad = None
+    for progress in progresses:
+        progress.grad_pass, progress.grad_scale = SCALED, coefficient
+    try:
+        loss.backward()
+    finally:
+        for progress in progresses:
+            progress.end_pass()
+        for t, g in kept.items():  # the first pass's: step() scales the optimizer's by the coefficient
+            t.grad = g
+    for progress in progresses:
+        progress.clip = (norm, coefficient)
+    return norm
 
 
 class GradRows:

@@ -27,7 +27,7 @@ from .linear import fused_forward, linear_refusal
 from .weight import FusedForward, FusedWeight, forward_of
 
 __all__ = ["Candidate", "attach", "candidates", "detach", "fuse", "fuse_replacement", "fusion_refusal",
-           "head_loss_model", "marked", "restore_all"]
+           "head_loss_model", "marked", "overlapping_pair", "restore_all"]
 
 
 def fusion_refusal(module: torch.nn.Module) -> Optional[str]:
@@ -239,3 +239,24 @@ def restore_all(restores: list[Callable[[], None]]) -> None:
     finalizer."""
     for restore in restores:
         restore()
+
+
+def overlapping_pair(params: list) -> Optional[tuple[tuple[int, torch.Tensor], tuple[int, torch.Tensor]]]:
+    """Two of `params` (with their indices) whose bytes overlap in memory, or None: each one's span, from its first
+    element's address to its last's (its local shard under tensor parallelism), compared on its device."""
+    spans = []
+    for i, p in enumerate(params):
+        t = tensor_parallel.local(p)
+        if t.numel() == 0 or t.is_meta:
+            continue
+        start = t.data_ptr()
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        spans.append((str(t.device), start, start + (last + 1) * t.element_size(), i, p))
+    spans.sort(key=lambda span: span[:2])
+    reach = None  # the span reaching furthest so far on this device
+    for span in spans:
+        if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
+            return (reach[3], reach[4]), (span[3], span[4])
+        if reach is None or reach[0] != span[0] or span[2] > reach[2]:
+            reach = span
+    return None

@@ -78,7 +78,7 @@ from ..kernels.foreach import FOREACH_MAX_ELEMENTS, shared_launch_key
 from ..kernels.policy import LINEAR_PATHS, interpreting
 from ..spec.keywords import check_seed, resolve_hypers
 from ..spec.loading import SpecLike, load_spec
-from . import captured, checkpoint, data_parallel, grad_passes, hf_head, installer, phased, tensor_parallel
+from . import captured, checkpoint, data_parallel, grad_passes, hf_head, installer, mixed, phased, tensor_parallel
 from .consumed_grad import OUTSIDE_USE_MESSAGE, ConsumedGrad
 from .installer import fuse
 from .stepper import INITIAL_KEY, ParamStepper, group_hypers, initial_value_hypers
@@ -89,27 +89,6 @@ __all__ = ["ForgeOptimizer", "fuse"]
 def _is_placeholder(grad: torch.Tensor) -> bool:
     """A fused weight's `ConsumedGrad` / `ReportingGrad`, or an FSDP2 shard's placeholder: nothing to step."""
     return isinstance(grad, ConsumedGrad) or data_parallel.is_placeholder(grad)
-
-
-def _overlapping_pair(params: list) -> Optional[tuple[tuple[int, torch.Tensor], tuple[int, torch.Tensor]]]:
-    """Two of `params` (with their indices) whose bytes overlap in memory, or None: each one's span, from its first
-    element's address to its last's (its local shard under tensor parallelism), compared on its device."""
-    spans = []
-    for i, p in enumerate(params):
-        t = tensor_parallel.local(p)
-        if t.numel() == 0 or t.is_meta:
-            continue
-        start = t.data_ptr()
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        spans.append((str(t.device), start, start + (last + 1) * t.element_size(), i, p))
-    spans.sort(key=lambda span: span[:2])
-    reach = None  # the span reaching furthest so far on this device
-    for span in spans:
-        if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
-            return (reach[3], reach[4]), (span[3], span[4])
-        if reach is None or reach[0] != span[0] or span[2] > reach[2]:
-            reach = span
-    return None
 
 
 class _Stepped:
@@ -169,6 +148,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         ValueError: bad hyperparameters (like torch.optim), `max_grad_norm` or `accumulation_steps` out of range
             (or with tensor parallelism), or a model whose parameters the kernels cannot run on (dtype or device).
     """
+
+    def __new__(cls, params=None, spec=None, *args, **options):
+        """A `mixed.MixedSpecOptimizer` (one ForgeOptimizer per spec) where a param group names a spec other than
+        `spec`; else a ForgeOptimizer."""
+        if cls is ForgeOptimizer and mixed.names_other_specs(params, spec, options.get("model_params")):
+            return mixed.MixedSpecOptimizer(ForgeOptimizer, params, spec, *args, **options)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -358,7 +344,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Refuse two of `params` whose memory overlaps (one buffer under two Parameters: `nn.Parameter(w.data)`,
         views of one tensor): each update is applied in place, so one would change the other's weight behind
         it (a fused layer's update inside backward, before another layer's backward reads the memory)."""
-        pair = _overlapping_pair(params)
+        pair = installer.overlapping_pair(params)
         if pair is None:
             return
         a, b = (f"'{self._names[p]}'" if p in self._names else f"#{i} (in the groups' order)" for i, p in pair)
@@ -392,6 +378,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            if "spec" in group:
+                mixed.check_own_spec(group, self.spec, len(self.param_groups) - 1)
             cfg = resolve_hypers(self.spec, group_hypers(group, self._keywords), caller="ForgeOptimizer")
             if hasattr(self, "_stepper"):  # else called by torch.optim.Optimizer.__init__: checked there
                 for p in group["params"]:
@@ -524,42 +512,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
         Without `max_grad_norm`, or with `accumulation_steps` > 1 (the norm of the accumulated gradient is taken
         in `step()`), it is `loss.backward()`."""
-        progress = self._stepper.progress
         if self.max_grad_norm is None or self.accumulation_steps > 1 or not self._handles:
             loss.backward()
             return
-        if progress.clip is not None or any(h.updated for h in self._handles.values()):
-            raise RuntimeError("optimizer.backward(loss) ran a second time before optimizer.step(): this step's "
-                               "clipped update was already applied. For gradient accumulation over k micro-batches "
-                               "construct the optimizer with accumulation_steps=k (and call loss.backward() for "
-                               "each), or call optimizer.step() after every backward.")
-        progress.grad_pass = grad_passes.MEASURE
-        try:
-            loss.backward(retain_graph=True)
-        except BaseException:
-            progress.end_pass()
-            progress.forget_forwards()  # the batch runs again from its forward
-            raise
-        squares = progress.squares
-        grads = [p.grad for p in self._param_index if p.grad is not None and not _is_placeholder(p.grad)]
-        if squares is None:  # no fused weight measured (every one of them shared or unused in this forward)
-            squares = torch.zeros((), dtype=torch.float32, device=loss.device)
-        norm, coefficient = grad_passes.clip_coefficient(squares, grads, self.max_grad_norm)
-        # every leaf the first pass gave a .grad (the optimizer's parameters, and any other: an input with
-        # requires_grad, a parameter of another optimizer) keeps the first pass's: the second adds nothing to it
-        kept = {t: t.grad for t in [*grad_passes.leaves(loss), *self._param_index]
-                if t.grad is not None and not _is_placeholder(t.grad)}
-        for t in kept:
-            t.grad = None
-        progress.grad_pass, progress.grad_scale = grad_passes.SCALED, coefficient
-        try:
-            loss.backward()
-        finally:
-            progress.end_pass()
-            for t, g in kept.items():  # the first pass's: step() scales the optimizer's by the coefficient
-                t.grad = g
-        progress.clip = (norm, coefficient)
-        self.last_grad_norm = norm
+        self.last_grad_norm = grad_passes.clipped_backward(loss, [self._stepper.progress], list(self._param_index),
+                                                           self.max_grad_norm, _is_placeholder)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's `zero_grad`. Between a backward and `step()` it warns: the fused weights were updated inside

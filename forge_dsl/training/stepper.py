@@ -85,6 +85,8 @@ class ParamStepper:
         state_dtype, rounding, seed, linear_path: as `ForgeOptimizer` takes them (a loaded state dict sets the
             first three).
         progress: the step's state machine, shared with the fused weights.
+        siblings: the steppers of the other specs of one optimizer (`training.mixed`), whose groups the first
+            fused update of a step checks too: one step, checked whole.
     """
 
     def __init__(self, spec: ir.Spec, state: MutableMapping, param_groups: list, keywords: frozenset, *,
@@ -103,6 +105,7 @@ class ParamStepper:
         self.seed = seed
         self.linear_path = linear_path
         self.progress = StepProgress()
+        self.siblings: tuple["ParamStepper", ...] = ()
         self.phased = PhasedUpdate(spec) if is_phased(spec) else None  # a spec that runs in phases (spec.phases)
         # capturable=True: the fused Linear weights' launches read their host values from this table, staged once
         # a step for all of them (`stage_host_values`); `CapturedStep` stages it before each replay
@@ -189,7 +192,8 @@ class ParamStepper:
         if self.progress.step_checked:
             return
         try:
-            self.check_step()
+            for stepper in (self, *self.siblings):
+                stepper.check_step()
         except ValueError:
             self.progress.end()
             raise
