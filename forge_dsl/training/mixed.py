@@ -242,7 +242,11 @@ class MixedSpecOptimizer(torch.optim.Optimizer):
             inner.detach()
 
     def describe(self) -> str:
-        return "\n".join(inner.describe() for inner in self.optimizers)
+        """Which param groups each spec steps, then each spec's `ForgeOptimizer.describe()`."""
+        where = {id(g): i for i, g in enumerate(self.param_groups)}
+        shares = "; ".join(f"{s.name}: groups {', '.join(str(where[id(g)]) for g in o.param_groups)}"
+                           for s, o in zip(self._specs, self.optimizers))
+        return "\n".join([f"MixedSpecOptimizer ({shares})"] + [inner.describe() for inner in self.optimizers])
 
     def state_dict(self) -> dict:
         """torch's state dict, numbered in this optimizer's groups' order; each group carries its spec's

@@ -93,6 +93,7 @@ def test_keywords_of_a_group_of_another_spec_are_its_own():
     assert muon["lr"] == 0.02 and muon["momentum"] == 0.9
     assert adamw["lr"] == 1e-3 and "momentum" not in adamw and adamw["betas"] == (0.9, 0.999)
     assert opt.optimizers[1].seed == opt.optimizers[0].seed + 1  # the second spec draws its own rounding bits
+    assert opt.describe().startswith("MixedSpecOptimizer (muon: groups 0; adamw: groups 1)\nForgeOptimizer(muon")
     opt.detach()
 
 
@@ -229,3 +230,49 @@ def test_clipping_by_the_global_norm_of_every_spec(max_norm):
     for n, p in ours.named_parameters():
         assert rel_err(p.detach() - start[n], theirs[n].detach() - start[n]) < 1e-4, n
     opt.detach()
+
+
+def test_distributed_checkpoint_state_dict_round_trip():
+    """torch.distributed.checkpoint's get/set_optimizer_state_dict (keys by parameter name) carry both specs'
+    states of a mixed optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    models = [make_llama(), make_llama(seed=3)]
+    opts = [ForgeOptimizer(m, "muon", model_params=groups(m), **MUON) for m in models]
+    train(models[0], [opts[0]], llama_batches(1))
+    saved = get_optimizer_state_dict(models[0], opts[0])
+    assert "model.layers.0.mlp.up_proj.weight" in saved["state"] and "lm_head.weight" in saved["state"]
+    set_optimizer_state_dict(models[1], opts[1], saved)
+    ours, theirs = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for i, values in ours.items():
+        for key, value in values.items():
+            assert torch.equal(value, theirs[i][key]), (i, key)
+    for opt in opts:
+        opt.detach()
+
+
+@pytest.mark.slow  # about 20 s in the interpreter
+def test_fullgraph_compiled_steps_equal_eager_steps():
+    """A mixed optimizer (SGD-momentum on the decoder's matrices, AdamW on the rest) under
+    torch.compile(fullgraph=True): the same bits as eager steps, every fused layer of both specs in the graph."""
+    sgd = dict(lr=0.05, momentum=0.9)
+
+    def build(model):
+        hidden, rest = split(model)
+        return ForgeOptimizer(model, "sgd_momentum", **sgd,
+                              model_params=[{"params": hidden}, {"params": rest, "spec": "adamw", **ADAMW}])
+
+    eager = make_llama()
+    compiled = twin(eager, make_llama)
+    opts = [build(eager), build(compiled)]
+    runner = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    for model, opt in ((eager, opts[0]), (runner, opts[1])):
+        for ids in llama_batches(3):
+            opt.zero_grad()
+            llama_loss(model, ids).backward()
+            opt.step()
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(p, q), name
+    assert len(opts[1]._handles) == len(opts[0]._handles) > len(split(eager)[0])  # both specs' layers fused
+    for opt in opts:
+        opt.detach()
