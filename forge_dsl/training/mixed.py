@@ -91,6 +91,28 @@ class _States(Mapping):
         return sum(len(inner.state) for inner in self._owner.optimizers)
 
 
+class _Shared:
+    """An attribute of every spec's optimizer, read and set as one: its value where they agree, else a dict by
+    spec name; `offset` (the seed): the k-th spec's is the value plus k."""
+
+    def __init__(self, name: str, offset: bool = False) -> None:
+        self.name, self.offset = name, offset
+        self.__doc__ = f"Every spec's `{name}`" + (" (the k-th spec's: this plus k)." if offset else ".")
+
+    def __get__(self, opt, owner=None):
+        if opt is None:
+            return self
+        values = [getattr(inner, self.name) - k if self.offset else getattr(inner, self.name)
+                  for k, inner in enumerate(opt.optimizers)]
+        if all(v == values[0] for v in values):
+            return values[0]
+        return {spec.name: getattr(inner, self.name) for spec, inner in zip(opt._specs, opt.optimizers)}
+
+    def __set__(self, opt, value) -> None:
+        for k, inner in enumerate(opt.optimizers):
+            setattr(inner, self.name, value + k if self.offset else value)
+
+
 class MixedSpecOptimizer(torch.optim.Optimizer):
     """One `ForgeOptimizer` per spec named by the param groups, as one torch optimizer (module docstring).
     `ForgeOptimizer(...)` builds it, passing itself as `forge_optimizer` (the class of the inner optimizers).
@@ -174,20 +196,10 @@ class MixedSpecOptimizer(torch.optim.Optimizer):
     def _names(self) -> dict:
         return {p: n for inner in self.optimizers for p, n in inner._names.items()}
 
-    def _common(self, name: str):
-        values = {getattr(inner, name) for inner in self.optimizers}
-        return values.pop() if len(values) == 1 else {s.name: getattr(o, name) for s, o in zip(self._specs,
-                                                                                             self.optimizers)}
-
-    state_dtype = property(lambda self: self._common("state_dtype"),
-                           lambda self, v: [setattr(o, "state_dtype", v) for o in self.optimizers] and None)
-    rounding = property(lambda self: self._common("rounding"),
-                        lambda self, v: [setattr(o, "rounding", v) for o in self.optimizers] and None)
-    linear_path = property(lambda self: self._common("linear_path"),
-                           lambda self, v: [setattr(o, "linear_path", v) for o in self.optimizers] and None)
-    seed = property(lambda self: self.optimizers[0].seed,
-                    lambda self, v: [setattr(o, "seed", v + k) for k, o in enumerate(self.optimizers)] and None,
-                    doc="The first spec's seed; the k-th spec's parameters draw from seed + k.")
+    state_dtype = _Shared("state_dtype")
+    rounding = _Shared("rounding")
+    linear_path = _Shared("linear_path")
+    seed = _Shared("seed", offset=True)
 
     # -- torch.optim's methods ---------------------------------------------
     def add_param_group(self, param_group: dict) -> None:

@@ -94,6 +94,11 @@ def test_keywords_of_a_group_of_another_spec_are_its_own():
     assert adamw["lr"] == 1e-3 and "momentum" not in adamw and adamw["betas"] == (0.9, 0.999)
     assert opt.optimizers[1].seed == opt.optimizers[0].seed + 1  # the second spec draws its own rounding bits
     assert opt.describe().startswith("MixedSpecOptimizer (muon: groups 0; adamw: groups 1)\nForgeOptimizer(muon")
+    opt.seed, opt.rounding = 10, "nearest"  # set on every spec's optimizer
+    assert [o.seed for o in opt.optimizers] == [10, 11] and opt.seed == 10
+    assert [o.rounding for o in opt.optimizers] == ["nearest"] * 2 and opt.rounding == "nearest"
+    opt.optimizers[1].state_dtype = "bf16"  # where the specs differ, each one's by name
+    assert opt.state_dtype == {"muon": "fp32", "adamw": "bf16"}
     opt.detach()
 
 
