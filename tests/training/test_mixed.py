@@ -99,6 +99,8 @@ def test_keywords_of_a_group_of_another_spec_are_its_own():
     assert [o.rounding for o in opt.optimizers] == ["nearest"] * 2 and opt.rounding == "nearest"
     opt.optimizers[1].state_dtype = "bf16"  # where the specs differ, each one's by name
     assert opt.state_dtype == {"muon": "fp32", "adamw": "bf16"}
+    opt.optimizers[0].state_dtype = {"momentum_buffer": "bf16"}  # a layout per state name
+    assert opt.state_dtype == {"muon": {"momentum_buffer": "bf16"}, "adamw": "bf16"}
     opt.detach()
 
 
