@@ -18,8 +18,8 @@ its own keys only (Muon's lr of 0.02 is not an AdamW lr). The options (`state_dt
 `linear_path`, `foreach`, `accumulation_steps`, `max_grad_norm`, ...) apply to every spec; the parameters of the
 k-th spec (in order of first appearance) draw their rounding seeds from `seed + k`. `max_grad_norm=c` clips by
 the global norm of every spec's gradients (`backward(loss)` runs both passes for all of them); with
-`accumulation_steps` too, and `lm_head_loss` and `capturable`, are refused: the accumulated norm, the head's fused
-loss and one captured host table are per optimizer so far.
+`accumulation_steps` too, and `capturable`, are refused: the accumulated norm and one captured host table are per
+optimizer so far. `lm_head_loss=True` goes to the optimizer of the spec whose groups hold the head.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ from . import checkpoint, data_parallel, grad_passes
 __all__ = ["MixedSpecOptimizer", "check_own_spec", "names_other_specs", "same_spec"]
 
 _REFUSED = {  # option -> why it is refused with several specs, and what to do instead
-    "lm_head_loss": "the head's loss without logits is installed by one optimizer: build one ForgeOptimizer per "
-                    "spec, lm_head_loss=True on the one whose groups hold the head",
     "capturable": "CapturedStep records one optimizer's host table: train with one spec to capture the step",
 }
 
@@ -150,8 +148,13 @@ class MixedSpecOptimizer(torch.optim.Optimizer):
                 group = {**group, "spec": loaded.name}
             by_spec.setdefault(k, []).append(group)
             order.append((k, len(by_spec[k]) - 1))
+        lm_head_loss = options.pop("lm_head_loss", False)
+        if not isinstance(lm_head_loss, bool):
+            raise TypeError(f"lm_head_loss must be a bool, got {type(lm_head_loss).__name__}")
+        head_spec = _head_spec(model, by_spec) if lm_head_loss else None
         self._build = dict(model=model, options=options, hypers=hypers, seed=seed, make=forge_optimizer)
-        self.optimizers: list = [self._inner(k, s, by_spec[k]) for k, s in enumerate(specs)]
+        self.optimizers: list = [self._inner(k, s, by_spec[k], lm_head_loss=k == head_spec)
+                                 for k, s in enumerate(specs)]
         self._specs = specs
         self._link()
         param_groups = [self.optimizers[k].param_groups[j] for k, j in order]
@@ -163,13 +166,14 @@ class MixedSpecOptimizer(torch.optim.Optimizer):
         self.accumulation_steps = self.optimizers[0].accumulation_steps
         self.foreach = self.optimizers[0].foreach
 
-    def _inner(self, k: int, spec, groups: list):
-        """The `ForgeOptimizer` of the k-th spec over `groups`: the optimizer's keywords only for its own spec."""
+    def _inner(self, k: int, spec, groups: list, lm_head_loss: bool = False):
+        """The `ForgeOptimizer` of the k-th spec over `groups`: the optimizer's keywords only for its own spec;
+        `lm_head_loss` for the spec whose groups hold the head."""
         build = self._build
         hypers = build["hypers"] if spec == self.spec else {}
         if build["model"] is not None:
             return build["make"](build["model"], spec, model_params=groups, seed=build["seed"] + k,
-                                 **build["options"], **hypers)
+                                 lm_head_loss=lm_head_loss, **build["options"], **hypers)
         return build["make"](groups, spec, seed=build["seed"] + k, **build["options"], **hypers)
 
     def _link(self) -> None:
@@ -314,6 +318,20 @@ class MixedSpecOptimizer(torch.optim.Optimizer):
             inner.load_state_dict(share, strict=strict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _head_spec(model: Optional[torch.nn.Module], by_spec: dict) -> int:
+    """The index of the spec whose groups hold `model`'s LM head (`lm_head_loss=True` goes to its optimizer)."""
+    if model is None:
+        raise TypeError("lm_head_loss= goes with a module as the first argument; with parameters first, mark the "
+                        "model with forge_dsl.fuse(model, lm_head_loss=True)")
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    weight = getattr(head, "weight", None)
+    for k, groups in by_spec.items():
+        if any(p is weight for g in groups for p in (g["params"] if isinstance(g, dict) else [g])):
+            return k
+    raise ValueError("lm_head_loss=True: no param group holds the model's LM head weight "
+                     "(model.get_output_embeddings().weight); add it to the group of the spec that should step it")
 
 
 # ForgeOptimizer's options (the keywords that are not the spec's), which every spec's optimizer takes

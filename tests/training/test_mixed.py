@@ -82,6 +82,26 @@ def test_muon_and_adamw_groups_equal_torch_muon_and_adamw(params_first):
     opt.detach()
 
 
+def test_lm_head_loss_goes_to_the_spec_that_holds_the_head():
+    """lm_head_loss=True with Muon and AdamW groups: the loss without logits, the head updated by AdamW's
+    optimizer a vocabulary block at a time in backward; ten steps equal to torch's two optimizers."""
+    theirs = make_llama()
+    ours = twin(theirs, make_llama)
+    start = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    opt = ForgeOptimizer(ours, "muon", model_params=groups(ours), lm_head_loss=True, **MUON)
+    assert [len(o._head_installs) for o in opt.optimizers] == [0, 1]
+    assert ours(input_ids=llama_batches(1)[0], labels=llama_batches(1)[0]).logits is None  # no logits stored
+    train(theirs, torch_pair(theirs), llama_batches(10))
+    train(ours, [opt], llama_batches(10))
+    assert_updates_close(ours, theirs, start)
+    opt.detach()
+    model = make_llama()
+    hidden, rest = split(model)
+    with pytest.raises(ValueError, match="no param group holds the model's LM head weight"):
+        ForgeOptimizer(model, "muon", lm_head_loss=True, model_params=[
+            {"params": hidden}, {"params": [p for p in rest if p is not model.lm_head.weight], "spec": "adamw"}])
+
+
 def test_keywords_of_a_group_of_another_spec_are_its_own():
     """The optimizer's keywords are the defaults of its own spec's groups only: an AdamW group without lr takes
     AdamW's default, not Muon's lr."""
@@ -178,8 +198,7 @@ def test_a_step_refused_by_one_spec_changes_no_weight_of_any(where):
     opt.detach()
 
 
-@pytest.mark.parametrize("option", [dict(max_grad_norm=1.0, accumulation_steps=2), dict(capturable=True),
-                                    dict(lm_head_loss=True)])
+@pytest.mark.parametrize("option", [dict(max_grad_norm=1.0, accumulation_steps=2), dict(capturable=True)])
 def test_options_of_one_optimizer_are_refused_before_anything_changes(option):
     model = make_llama()
     forwards = {n: m.forward for n, m in model.named_modules()}
