@@ -14,8 +14,9 @@ Methods:
   forge-<s>-graph    the same with capturable=True, the step a `forge_dsl.CapturedStep`
 With --compile every method runs `torch.compile(model)` (inductor's default mode; its warm-up steps compile), the
 graph methods capture the compiled code; with --checkpointing every decoder layer recomputes its forward in
-backward (transformers' gradient checkpointing). The table gives each method's median over rounds of the rounds' medians, its ratio to torch-adamw-graph (the
-median of the per-round ratios, with their min-max) and the peak memory of its last round.
+backward (transformers' gradient checkpointing). The table gives each method's median over rounds of the rounds'
+medians, its ratio to torch-adamw-graph (the median of the per-round ratios, with their min-max) and the peak
+memory of its last round.
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ def main(argv=None) -> None:
             print(f"round {r + 1} {method}: {row['step_ms']:.1f} ms, peak {row['peak_gib']:.2f} GiB", flush=True)
     base = "torch-adamw-graph" if rounds.get("torch-adamw-graph") else methods[0]
     print(f"\n{args.model} 1 x {args.seq}{' compiled' if args.compile else ''}"
-          f"{' checkpointing' if args.checkpointing else ''}, {args.rounds} rounds of {args.steps} steps; ratio to {base} "
-          "(median of the rounds' ratios, min-max)")
+          f"{' checkpointing' if args.checkpointing else ''}, {args.rounds} rounds of {args.steps} steps; "
+          f"ratio to {base} (median of the rounds' ratios, min-max)")
     print("| method | step ms (median of rounds) | ratio | peak GiB |\n|---|---|---|---|")
     table = []
     for method in methods:

@@ -61,6 +61,10 @@ _KIND_PHRASES = {
 }
 
 
+# What a derived flag or a 'require' may read: the keywords, and the flags derived from them.
+_KEYWORD_KINDS = ("hyperparameter", "flag", "derived flag", "choice")
+
+
 class Type(enum.Enum):
     REAL = "number"
     BOOL = "boolean"
@@ -184,7 +188,7 @@ class _Checker:
         self.optional = {h.name for h in spec.hypers if h.optional}
         for d in spec.derived:
             t, level = self.infer_declaration_expr(
-                d.expr, allowed=("hyperparameter", "flag", "derived flag", "choice"), what=f"flag '{d.name}'"
+                d.expr, allowed=_KEYWORD_KINDS, what=f"flag '{d.name}'"
             )
             if t is not Type.BOOL:
                 raise self.error(
@@ -208,7 +212,7 @@ class _Checker:
             self.check_initial_value(s.init, s.name, scalar=True)
         for r in spec.requires:
             t, _ = self.infer_declaration_expr(
-                r.condition, allowed=("hyperparameter", "flag", "derived flag", "choice"), what="a 'require' condition"
+                r.condition, allowed=_KEYWORD_KINDS, what="a 'require' condition"
             )
             if t is not Type.BOOL:
                 raise self.error("a 'require' condition must be a boolean", r.condition.loc,
@@ -454,9 +458,9 @@ class _Checker:
                 expr.loc,
             )
         if sym.kind == "choice" and not self.allow_given:
+            word = next(c for c in self.spec.choices if c.name == name).values[-1]
             raise self.error(f"choice '{name}' is read only by a derived flag or a 'require'", expr.loc,
-                             hint=f"declare 'flag f = {name} == \"{next(c for c in self.spec.choices if c.name == name).values[-1]}\"' "
-                             "and test the flag with 'if'")
+                             hint=f"declare 'flag f = {name} == \"{word}\"' and test the flag with 'if'")
         self.used.add(name)
         return sym.type, sym.level
 

@@ -194,10 +194,11 @@ class CapturedStep:
         """What the recorded kernels were built for and point to, beyond the host table's values: the rounding,
         each fused weight's variant (its flags), and the addresses of every parameter and state tensor."""
         stepper = self.optimizer._stepper
-        variants = tuple(resolved_hypers(stepper.spec, stepper.group_hypers(stepper.group_of[p])).variant
-                         for p in stepper.table_slots)
+        groups = {id(g): g for g in map(stepper.group_of.get, stepper.table_slots)}  # each group once, every replay
+        variant_of = {key: resolved_hypers(stepper.spec, stepper.group_hypers(g)).variant for key, g in groups.items()}
+        variants = tuple(variant_of[id(stepper.group_of[p])] for p in stepper.table_slots)
         addresses = tuple((p.data_ptr(), tuple(t.data_ptr() for t in stepper.state[p].values()
-                                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"))
+                                               if isinstance(t, torch.Tensor) and t.is_cuda))
                           for p in self.optimizer._param_index)
         return stepper.rounding, variants, addresses
 

@@ -19,14 +19,15 @@ they scale); the buffer (`accumulation_dtype="fp32"`, the default) too.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-from . import tensor_parallel
+from . import data_parallel, tensor_parallel
 
 __all__ = ["ACCUMULATE", "APPLY", "ACCUMULATION_DTYPES", "GradRows", "MEASURE", "SCALED", "UPDATE",
-           "check_accumulation", "check_max_grad_norm", "clip_coefficient", "clipped_backward", "leaves", "square_sum"]
+           "check_accumulation", "check_max_grad_norm", "clip_coefficient", "clipped_backward", "leaves",
+           "square_sum"]
 
 UPDATE = "update"  # the plain fused update (no clipping, no accumulation)
 MEASURE = "measure"
@@ -111,8 +112,8 @@ def clip_coefficient(squares: torch.Tensor, grads: Iterable[torch.Tensor], max_n
     return norm, torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
 
 
-def clipped_backward(loss: torch.Tensor, progresses: Sequence, params: Sequence[torch.Tensor], max_norm: float,
-                     is_placeholder: Callable[[torch.Tensor], bool]) -> torch.Tensor:
+def clipped_backward(loss: torch.Tensor, progresses: Sequence, params: Sequence[torch.Tensor],
+                     max_norm: float) -> torch.Tensor:
     """`ForgeOptimizer.backward`'s two passes from `loss` for the optimizers whose steps' `progresses`
     (`weight.StepProgress`, one per optimizer: several for a `training.mixed` optimizer, clipped by their
     parameters' one global norm) hold `params`; returns the total norm (0-d float32, on the device) and leaves
@@ -121,8 +122,9 @@ def clipped_backward(loss: torch.Tensor, progresses: Sequence, params: Sequence[
     MEASURE (`retain_graph=True`): each fused weight's squared gradient norm, summed on the device, and the other
     parameters' `.grad`s; nothing updated. SCALED: each fused weight's update from its gradient times the
     coefficient. Every leaf the first pass gave a `.grad` (the parameters, an input with requires_grad, another
-    optimizer's parameter) keeps that one: the second pass adds nothing to it. `is_placeholder(grad)`: a fused
-    weight's `.grad` that holds no gradient."""
+    optimizer's parameter) keeps that one: the second pass adds nothing to it. A fused weight's `.grad` that holds
+    no gradient (`data_parallel.is_placeholder`) is neither measured nor kept."""
+    is_placeholder = data_parallel.is_placeholder
     if any(p.clip is not None or any(h.updated for h in p.weights.values()) for p in progresses):
         raise RuntimeError("optimizer.backward(loss) ran a second time before optimizer.step(): this step's "
                            "clipped update was already applied. For gradient accumulation over k micro-batches "

@@ -30,7 +30,7 @@ import torch
 
 from ..kernels.steps import DEFAULT_SEED
 from ..spec.loading import load_spec
-from . import checkpoint, data_parallel, grad_passes
+from . import checkpoint, grad_passes
 
 __all__ = ["MixedSpecOptimizer", "check_own_spec", "names_other_specs", "same_spec"]
 
@@ -244,8 +244,7 @@ class MixedSpecOptimizer(torch.optim.Optimizer):
             loss.backward()
             return
         self.last_grad_norm = grad_passes.clipped_backward(
-            loss, [inner._stepper.progress for inner in self.optimizers], list(self._param_index),
-            self.max_grad_norm, data_parallel.is_placeholder)
+            loss, [inner._stepper.progress for inner in self.optimizers], list(self._param_index), self.max_grad_norm)
         for inner in self.optimizers:
             inner.last_grad_norm = self.last_grad_norm
 

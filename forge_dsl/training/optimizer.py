@@ -516,7 +516,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             loss.backward()
             return
         self.last_grad_norm = grad_passes.clipped_backward(loss, [self._stepper.progress], list(self._param_index),
-                                                           self.max_grad_norm, _is_placeholder)
+                                                           self.max_grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's `zero_grad`. Between a backward and `step()` it warns: the fused weights were updated inside
