@@ -33,16 +33,8 @@ from .nonneg import check_nonneg
 from .printer import print_expr
 from .scalar_ops import fp32
 from .placement import check_barrier_placement
-from .variants import (
-    Combo,
-    combinations,
-    describe_combo,
-    iter_names,
-    names_read,
-    specialize,
-    states_present,
-    walk_statements,
-)
+from .variants import (Combo, combinations, describe_combo, iter_names, names_read, specialize, states_present,
+                       walk_statements)
 
 __all__ = ["API_KEYWORDS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "Level", "MAX_FLAGS", "RESERVED_NAMES", "Type",
            "check_spec"]
@@ -61,8 +53,7 @@ _KIND_PHRASES = {
 }
 
 
-# What a derived flag or a 'require' may read: the keywords, and the flags derived from them.
-_KEYWORD_KINDS = ("hyperparameter", "flag", "derived flag", "choice")
+_KEYWORD_KINDS = ("hyperparameter", "flag", "derived flag", "choice")  # what a derived flag or a 'require' reads
 
 
 class Type(enum.Enum):
@@ -391,7 +382,10 @@ class _Checker:
         words = [e for e in (expr.left, expr.right) if isinstance(e, ir.Text)]
         if expr.op not in ("eq", "ne") or len(names) != 1 or len(words) != 1:
             raise self.error("a choice keyword is read only as 'NAME == \"word\"' or 'NAME != \"word\"'", expr.loc)
-        choice = next(c for c in self.spec.choices if c.name == names[0].id)
+        choice = next((c for c in self.spec.choices if c.name == names[0].id), None)
+        if choice is None:
+            raise self.error(f"'{names[0].id}' is not a choice keyword: only a choice is compared with a word like "
+                             f'"{words[0].value}"', expr.loc)
         if words[0].value not in choice.values:
             raise self.error(f'"{words[0].value}" is not a word of \'{choice.name}\''
                              + did_you_mean(words[0].value, choice.values), words[0].loc,
