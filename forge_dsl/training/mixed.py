@@ -30,7 +30,7 @@ import torch
 
 from ..kernels.steps import DEFAULT_SEED
 from ..spec.loading import load_spec
-from . import checkpoint, grad_passes
+from . import checkpoint, data_parallel, grad_passes
 
 __all__ = ["MixedSpecOptimizer", "check_own_spec", "names_other_specs", "same_spec"]
 
@@ -134,6 +134,10 @@ class MixedSpecOptimizer(torch.optim.Optimizer):
         model = params if isinstance(params, torch.nn.Module) else None
         groups = list(model_params if model is not None else params)
         self.spec = load_spec(spec)
+        if hypers and all(isinstance(g, dict) and "spec" in g and not same_spec(g["spec"], self.spec) for g in groups):
+            raise ValueError(f"no param group is stepped by {self.spec.name!r}, the optimizer's spec: every group names "
+                             f"another, so its keywords ({', '.join(hypers)}) would apply to none. Give them in the "
+                             "groups, or add a group without 'spec'")
         by_spec: dict[int, list] = {}  # index in self.optimizers' order -> its groups
         specs: list = []
         order: list[tuple[int, int]] = []  # each given group: (its spec's index, its index among that spec's)
@@ -232,9 +236,25 @@ class MixedSpecOptimizer(torch.optim.Optimizer):
         for inner in self.optimizers:
             if not inner._stepper.progress.backward_open:  # else its step() closes the interrupted step
                 inner._stepper.check_step()
+        progresses = [inner._stepper.progress for inner in self.optimizers]
+        if self.max_grad_norm is not None and all(p.clip is None and not p.backward_open for p in progresses):
+            self._clip_by_global_norm(progresses)  # backward(loss) did not: a plain loss.backward(), nothing fused
         for inner in self.optimizers:
             _unhooked_step(inner)
         return loss
+
+    def _clip_by_global_norm(self, progresses: list) -> None:
+        """The clip coefficient of every spec's `.grad`s together, for each spec's `step()` to scale its own by:
+        as `torch.nn.utils.clip_grad_norm_(all parameters, max_grad_norm)` (each spec's own norm would not be)."""
+        grads = [p.grad for p in self._param_index if p.grad is not None and not data_parallel.is_placeholder(p.grad)]
+        device = grads[0].device if grads else torch.device("cpu")
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        norm, coefficient = grad_passes.clip_coefficient(squares, grads, self.max_grad_norm)
+        for progress in progresses:
+            progress.clip = (norm, coefficient)
+        self.last_grad_norm = norm
+        for inner in self.optimizers:
+            inner.last_grad_norm = norm
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`; with `max_grad_norm=c`, `ForgeOptimizer.backward`'s two passes for every spec at once,

@@ -207,6 +207,13 @@ def test_options_of_one_optimizer_are_refused_before_anything_changes(option):
     assert all(m.forward == forwards[n] for n, m in model.named_modules())  # nothing installed
 
 
+def test_keywords_for_a_spec_no_group_uses_are_refused():
+    """ForgeOptimizer(model, "muon", lr=...) whose every group names another spec: the keywords would step nothing."""
+    model = make_llama()
+    with pytest.raises(ValueError, match="no param group is stepped by 'muon'.*lr"):
+        ForgeOptimizer(model, "muon", lr=0.02, model_params=[{"params": list(model.parameters()), "spec": "adamw"}])
+
+
 def test_another_spec_where_it_cannot_be_honoured_is_refused():
     """A group naming another spec in a generator (read once, by torch) or added to a one-spec optimizer would be
     stepped with the wrong spec: refused, naming what to do."""
@@ -220,6 +227,32 @@ def test_another_spec_where_it_cannot_be_honoured_is_refused():
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": rest[:1], "spec": "muon"})  # its own spec: accepted
     opt.detach()
+
+
+def test_clipping_after_a_plain_backward_takes_the_global_norm():
+    """fuse=False, max_grad_norm=c and a plain loss.backward() (nothing fused: no two passes): step() clips every
+    spec's .grad by the norm of all of them, as clip_grad_norm_(all parameters, c), not each by its own."""
+    sgd = dict(lr=0.05, momentum=0.9)
+    theirs = make_llama()
+    ours = twin(theirs, make_llama)
+    hidden, rest = split(theirs)
+    ref = [torch.optim.SGD(hidden, **sgd), torch.optim.AdamW(rest, **ADAMW)]
+    hidden, rest = split(ours)
+    opt = ForgeOptimizer(ours, "sgd_momentum", max_grad_norm=0.05, fuse=False, **sgd,
+                         model_params=[{"params": hidden}, {"params": rest, "spec": "adamw", **ADAMW}])
+    for ids in llama_batches(3):
+        for o in ref:
+            o.zero_grad()
+        llama_loss(theirs, ids).backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(theirs.parameters()), 0.05)
+        for o in ref:
+            o.step()
+        opt.zero_grad()
+        llama_loss(ours, ids).backward()
+        opt.step()
+        assert norm > 0.05 and rel_err(opt.last_grad_norm, norm) < 1e-4
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert rel_err(p.detach(), q.detach()) < 1e-5, name
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e3])
