@@ -38,8 +38,9 @@ import torch
 
 from .layouts import holds_codes
 
-__all__ = ["COUNTS", "VERIFIED_TRITON", "NotReusable", "PreparedLaunch", "call_key", "counts", "current_stream", "enabled",
-           "entries", "exports_signature", "lookup", "remember", "set_enabled", "supported"]
+__all__ = ["COUNTS", "VERIFIED_TRITON", "DirectLaunch", "NotReusable", "PreparedLaunch", "call_key", "counts",
+           "current_stream", "enabled", "entries", "exports_signature", "lookup", "remember", "set_enabled",
+           "supported"]
 
 VERIFIED_TRITON = ("3.6.",)  # the Triton versions whose launcher this path was checked against on the GPU
 _MAX_ENTRIES = 4096  # a model's layers × a few token counts; the cache empties when full
@@ -223,6 +224,9 @@ class PreparedLaunch:
         result = getattr(compiled, "result", None)  # a compile still in flight
         compiled = result() if callable(result) else compiled
         self.kernels = {signature: (compiled.run, compiled.function, compiled.packed_metadata)}
+        self._signature_of: tuple = (None, None)  # (the last host scalars, their `exports_signature`)
+        descriptors = (args + tuple(kwargs[name] for name in params[len(args):]))
+        self._direct = DirectLaunch.of(compiled.run, {self._x: descriptors[self._x], self._dy: descriptors[self._dy]})
 
     def launch(self, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state, hypers: dict, step: int,
                seed: int) -> Optional[dict]:
@@ -231,8 +235,14 @@ class PreparedLaunch:
         call's seed and step). Returns the scalar state's new values for the caller to commit, or None
         (nothing launched) where this step's host scalars need a kernel not compiled for this entry yet,
         or where a pre-run hook was set on the kernel since."""
-        exports, scalar_updates = self.host(hypers, step, {name: float(state[name]) for name in self.scalar_names})
-        kernel = self.kernels.get(exports_signature(exports))
+        exports, scalar_updates = self.host(hypers, step,
+                                            {name: float(state[name]) for name in self.scalar_names} if
+                                            self.scalar_names else {})
+        last, signature = self._signature_of
+        if exports is not last:  # layers sharing keywords and step share the host step's result itself
+            signature = exports_signature(exports)
+            self._signature_of = (exports, signature)
+        kernel = self.kernels.get(signature)
         if kernel is None or self.fused_ws.pre_run_hooks:
             return None
         launcher, function, packed_metadata = kernel
@@ -240,9 +250,6 @@ class PreparedLaunch:
             raise RuntimeError(f"{self.spec.name}'s host step returned {len(exports)} scalars, its kernel takes "
                                f"{self._host_count}")
         args = self._template.copy()
-        descriptor = self._gluon_lib.descriptor
-        args[self._x] = descriptor(x if x.dim() == 2 else x.reshape(-1, self._K), self._x_block)
-        args[self._dy] = descriptor(dy if dy.dim() == 2 else dy.reshape(-1, self._N), self._dy_block)
         # the launcher reads data_ptr() alone: no int16 views needed
         args[self._w] = weight
         args[self._timeline] = weight
@@ -250,8 +257,117 @@ class PreparedLaunch:
         args[self._scales] = tuple(state[key] for key in self.scale_keys)
         args[self._host] = exports
         args[self._seed] = seed
-        launcher(self._grid, 1, 1, current_stream(weight.device), function, packed_metadata, None, None, None, *args)
+        stream = current_stream(weight.device)
+        if self._direct is not None and launcher is self._direct.run:
+            self._direct.launch(self._grid, stream, function, packed_metadata, args, {self._x: x, self._dy: dy})
+            return scalar_updates
+        descriptor = self._gluon_lib.descriptor
+        args[self._x] = descriptor(x if x.dim() == 2 else x.reshape(-1, self._K), self._x_block)
+        args[self._dy] = descriptor(dy if dy.dim() == 2 else dy.reshape(-1, self._N), self._dy_block)
+        launcher(self._grid, 1, 1, stream, function, packed_metadata, None, None, None, *args)
         return scalar_updates
+
+
+class DirectLaunch:
+    """Triton 3.6's launcher of one compiled warp-specialized kernel, called below its Python wrapper: each TMA
+    descriptor argument expanded as the wrapper expands it (`make_tensordesc_arg`: the CUtensorMap, then the
+    shape and strides), the CUtensorMap remembered per activation address.
+
+    A descriptor's shape, strides, block and swizzle are fixed by an entry's key (the activations' shapes and
+    strides), so its CUtensorMap is a function of the address alone: a remembered one is the one the wrapper
+    would make now, whatever tensor holds that address (no tensor is kept). This takes the Gluon
+    `TensorDescriptor` objects, their checks (the checked launch ran them on the same metadata) and the wrapper's
+    walk over every argument off each launch: v30 in docs/PERF.md.
+    """
+
+    _MAPS_MAX = 16  # addresses remembered per descriptor argument (a training loop's activations take a few)
+
+    def __init__(self, run, c_launch, base_len: int, make_arg, slots: dict) -> None:
+        self.run = run  # the CudaLauncher this stands for (`PreparedLaunch` launches through this for it only)
+        self._c_launch = c_launch
+        self._base_len = base_len
+        self._make_arg = make_arg
+        # kernel parameter index -> (its tensordesc metadata, shape, strides, padding, {address: expanded args})
+        self._slots = slots
+        self._order = sorted(slots)
+
+    @classmethod
+    def of(cls, run, descriptors: dict) -> Optional["DirectLaunch"]:
+        """The direct launch of `run` (a compiled kernel's launcher), whose kernel parameters `descriptors` (index
+        -> the checked launch's Gluon TensorDescriptor) are its only TMA descriptors; None where `run` is not
+        Triton 3.6's `CudaLauncher` of that shape, needs scratch memory, or a descriptor is not 2-D."""
+        import triton
+
+        if not triton.__version__.startswith(VERIFIED_TRITON):  # the wrapper's internals as this reads them
+            return None
+        try:
+            from triton.backends.nvidia import driver
+        except ImportError:
+            return None
+        wrapper = getattr(run, "launch", None)
+        if (type(run) is not getattr(driver, "CudaLauncher", None) or getattr(wrapper, "__name__", None) != "inner"
+                or wrapper.__closure__ is None):
+            return None
+        cells = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
+        indices, metas = cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+        if (set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or indices != set(descriptors)
+                or not metas or len(metas) != len(indices) or run.global_scratch_size or run.profile_scratch_size):
+            return None
+        slots = {}
+        for meta, index in zip(metas, sorted(indices)):
+            desc = descriptors[index]
+            if meta is None or meta.get("fp4_padded") or len(desc.shape) != 2:
+                return None
+            slots[index] = (meta, tuple(desc.shape), tuple(desc.strides), desc.padding, {})
+        return cls(run, cells["launcher"], driver._BASE_ARGS_FORMAT_LEN, driver.make_tensordesc_arg, slots)
+
+    def launch(self, grid: int, stream: int, function, packed_metadata, args: list, activations: dict) -> None:
+        """`run(grid, 1, 1, stream, function, packed_metadata, None, None, None, *args)` with each descriptor
+        parameter's activation (`activations`: parameter index -> a tensor of the entry's metadata) in place of
+        its TensorDescriptor."""
+        run = self.run
+        final = [grid, 1, 1, stream, function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                 packed_metadata, None, None, None]
+        start = 0
+        for index in self._order:
+            final.extend(args[start:index])
+            final.extend(self._expanded(index, activations[index].data_ptr()))
+            start = index + 1
+        final.extend(args[start:])
+        self._c_launch(*final)
+
+    def _expanded(self, index: int, address: int) -> list:
+        """The descriptor parameter `index`'s arguments for an activation at `address`: [CUtensorMap, *shape,
+        *strides], made by Triton's own `make_tensordesc_arg` the first time."""
+        meta, shape, strides, padding, maps = self._slots[index]
+        hit = maps.get(address)
+        if hit is None:
+            if len(maps) >= self._MAPS_MAX:
+                maps.clear()
+            hit = maps[address] = self._make_arg(_AddressedDescriptor(_Address(address), shape, strides, padding),
+                                                 meta)
+        return hit
+
+
+class _Address:
+    """What `make_tensordesc_arg` reads of a descriptor's base tensor: its address."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+class _AddressedDescriptor:
+    """What `make_tensordesc_arg` reads of a Gluon TensorDescriptor: base, shape, strides, padding."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base: _Address, shape: tuple, strides: tuple, padding: str) -> None:
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
 
 
 def current_stream(device: torch.device) -> int:

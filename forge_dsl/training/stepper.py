@@ -114,6 +114,10 @@ class ParamStepper:
         self.capture_allowed = False  # set by `CapturedStep` while it records the step
         # parameter -> (what it was made from, its state): `prepare_state`'s, until the first update takes it
         self._prepared: dict[torch.nn.Parameter, tuple[tuple, dict]] = {}
+        # id(param group) -> (the group, its keywords as `check_step` read them): see `checked_hypers`
+        self._checked: dict[int, tuple[dict, dict]] = {}
+        # parameter -> (its state's step tensor, a view of it): see `counter`
+        self._counters: dict[torch.nn.Parameter, tuple[torch.Tensor, Any]] = {}
 
     def add(self, p: torch.nn.Parameter, group: dict) -> None:
         """Take `p` of param group `group` (in the groups' order: its index draws its seed)."""
@@ -141,10 +145,12 @@ class ParamStepper:
         Raises:
             ValueError: naming the param group and its keyword, or the parameter, and what to do.
         """
+        self._checked = {}
         for i, group in enumerate(self.param_groups):
             hypers = self.group_hypers(group)
             try:
                 resolved_hypers(self.spec, hypers)  # remembered while the group's keywords stay the same
+                self._checked[id(group)] = (group, hypers)
                 continue
             except (TypeError, ValueError):
                 pass
@@ -168,6 +174,25 @@ class ParamStepper:
                     "give it back its shape, or start it from fresh state (del optimizer.state[p], p the "
                     "parameter; or build a new optimizer)"))
         self.progress.step_checked = True
+
+    def checked_hypers(self, group: dict) -> dict[str, Any]:
+        """`group`'s keywords as the last `check_step` read them (at the step's first fused update, or in `step()`):
+        the fused updates of a step share one dict a group instead of making one a layer, so a step's fused
+        weights step with the keywords it was checked with (a scheduler writes them between steps). Read only."""
+        kept = self._checked.get(id(group))
+        return kept[1] if kept is not None and kept[0] is group else self.group_hypers(group)
+
+    def counter(self, p: torch.Tensor, state: Mapping[str, Any]):
+        """`p`'s step counter, `state["step"]` (a 0-d `checkpoint.STEP_DTYPE` CPU tensor), as a 0-d numpy array
+        sharing its memory: `int(c)` reads it and `c[()] = n` writes it in well under a µs, where the tensor's
+        `.item()` and `+=` take a few µs each on every fused update. The tensor itself where numpy cannot view it."""
+        t = state["step"]
+        kept = self._counters.get(p)
+        if kept is not None and kept[0] is t:
+            return kept[1]
+        view = t.numpy() if t.device.type == "cpu" and t.dim() == 0 and not t.requires_grad else t
+        self._counters[p] = (t, view)
+        return view
 
     def _refusal(self, what: str, fix: str) -> str:
         """A refusal of `check_step`: `what` is wrong, what the step left as it was, `fix` and how to go on."""
@@ -294,17 +319,18 @@ class ParamStepper:
         self._refuse_capture(weight)
         self._check_first_update(weight)
         group = self.group_of[weight]
-        hypers = self.group_hypers(group)
+        hypers = self.checked_hypers(group)
         state = self.state_for(weight, group, hypers)
         self.progress.open_backward()
-        step, seed = int(state["step"].item()) + 1, self.rounding_seed(weight, state)
+        counter = self.counter(weight, state)
+        step, seed = int(counter) + 1, self.rounding_seed(weight, state)
         spec, kernel_state, kernel_hypers, cfg = self._first_phase(weight, state, hypers)
         slot = self.table_slots.get(weight)
         linear_step(spec, x, dy, tensor_parallel.local(weight), kernel_state, path=self.linear_path, step=step,
                     seed=seed, rounding=self.rounding, tf32=torch.get_float32_matmul_precision() != "highest",
                     host_row=None if slot is None else self.host_table.row(slot), **kernel_hypers)
         self._later_phases(weight, kernel_state, cfg, step, seed)
-        state["step"] += 1
+        counter[()] = step  # the count + 1 (a whole number: a loaded state dict's is checked)
 
     def _first_phase(self, p: torch.Tensor, state: dict, hypers: Mapping[str, Any]) -> tuple:
         """(spec, state, keywords, resolved keywords or None) of the update's first kernel: the spec's own, or its

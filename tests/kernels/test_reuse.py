@@ -345,3 +345,59 @@ def test_a_state_the_checks_refuse_never_reuses_a_launch(recorder):
     with pytest.raises(ValueError, match="'exp_avg_sq' holds int8 codes, but adamw's 'exp_avg_sq' is declared"):
         kernels.fused_linear_step(spec, x, dy, w, signed, step=3, lr=1e-2, config=WS_CONFIG)
     assert not recorder.calls
+
+
+class _Descriptor:
+    """What Triton's launcher wrapper and `DirectLaunch` read of a Gluon TensorDescriptor."""
+
+    def __init__(self, t):
+        self.base, self.shape, self.strides, self.padding = t, tuple(t.shape), tuple(t.stride()), "zero"
+
+
+@pytest.mark.skipif(not __import__("triton").__version__.startswith(reuse.VERIFIED_TRITON),
+                    reason="DirectLaunch reads the launcher wrapper of the Triton versions reuse is verified on")
+def test_a_direct_launch_passes_the_c_launcher_what_the_wrapper_passes(monkeypatch):
+    """`reuse.DirectLaunch` against Triton's own `CudaLauncher` (its wrapper `wrap_handle_tensordesc` around a
+    recorder standing for the compiled C launcher; the CUtensorMap made by a recorder standing for
+    `make_tensordesc_arg`): the same arguments in the same order, on every call; a map made once per activation
+    address and again for a new one; launchers of another shape not taken."""
+    from triton.backends.nvidia import driver
+
+    made = []
+
+    def make_tensordesc_arg(arg, meta):
+        made.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), meta["swizzle"]),
+                *arg.shape, *arg.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", make_tensordesc_arg)
+    launched = []
+    signature = {"A": "*bf16", "X": "tensordesc<bf16[32,64]>", "n": "i32", "DY": "tensordesc<bf16[32,128]>",
+                 "S": "constexpr"}
+    run = object.__new__(driver.CudaLauncher)
+    run.launch = driver.wrap_handle_tensordesc(lambda *args: launched.append(args), signature,
+                                               [{"swizzle": 128, "fp4_padded": False}, {"swizzle": 64,
+                                                                                        "fp4_padded": False}])
+    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, False
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    gen = torch.Generator().manual_seed(0)
+    sets = [(torch.randn(40, 64, generator=gen).bfloat16(), torch.randn(40, 128, generator=gen).bfloat16())
+            for _ in range(2)]
+    direct = reuse.DirectLaunch.of(run, {1: _Descriptor(sets[0][0]), 3: _Descriptor(sets[0][1])})
+    assert direct is not None and direct.run is run
+    a = torch.zeros(3)
+    for step, (x, dy) in enumerate([sets[0], sets[1], sets[0], sets[1]]):
+        run(132, 1, 1, 7, "function", "packed", None, None, None, a, _Descriptor(x), step, _Descriptor(dy), 64)
+        made_by_wrapper = made[-2:]
+        del made[-2:]
+        direct.launch(132, 7, "function", "packed", [a, None, step, None, 64], {1: x, 3: dy})
+        assert launched[-1] == launched[-2], f"step {step}"
+        assert made_by_wrapper == [x.data_ptr(), dy.data_ptr()]
+        assert made == ([x.data_ptr(), dy.data_ptr()] if step < 2 else []), "a map is made once per address"
+        made.clear()
+    run.global_scratch_size = 8  # the wrapper's caller allocates scratch: not taken
+    assert reuse.DirectLaunch.of(run, {1: _Descriptor(x), 3: _Descriptor(dy)}) is None
+    run.global_scratch_size = 0
+    assert reuse.DirectLaunch.of(run, {1: _Descriptor(x)}) is None  # a descriptor parameter it does not know
+    assert reuse.DirectLaunch.of(lambda *args: None, {1: _Descriptor(x), 3: _Descriptor(dy)}) is None

@@ -286,6 +286,31 @@ def test_lr_is_read_at_backward_time():
     assert_params_close(ours, theirs)
 
 
+def test_a_step_uses_the_keywords_it_was_checked_with():
+    """The fused weights of one step step with the keywords its first fused update checked: an lr written while
+    backward runs (here 0 by a hook on the last layer, whose update comes first) does not reach the fused layers
+    still to come in that backward, so all of them step with one lr; step() then steps the other parameters with
+    the lr as it finds it (0: they stay), as torch.optim's step() reads it."""
+    ours = make_mlp()
+    theirs = twin(ours, make_mlp)
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    opt = ForgeOptimizer(ours, "sgd", lr=1.0)
+    ref = torch.optim.SGD(theirs.parameters(), lr=1.0)
+    ours.down.register_full_backward_hook(lambda *args: opt.param_groups[0].__setitem__("lr", 0.0))
+    batch = mlp_batches(1)
+    train(ours, opt, batch, mlp_loss)
+    train(theirs, ref, batch, mlp_loss)
+    fused = {n for n, m in ours.named_modules() if isinstance(m, nn.Linear)}
+    for name, p in ours.named_parameters():
+        module, kind = name.rsplit(".", 1)
+        if module in fused and kind == "weight":
+            expected = theirs.get_parameter(name)
+            assert torch.allclose(p, expected, rtol=1e-5, atol=1e-7), name  # lr 1 for every fused layer
+            assert not torch.equal(p, before[name]), name
+        else:
+            assert torch.equal(p, before[name]), name  # stepped in step() at lr 0
+
+
 class SometimesMLP(MLP):
     """`mid` is skipped when `skip_mid` is set: its step count falls behind the others', as in torch."""
 
