@@ -1112,3 +1112,16 @@ def test_captured_step_bench_refuses_unknown_methods(capsys):
         captured_step.main(["--methods", "torch-adamw,forge-bf16-graf"])
     err = capsys.readouterr().err
     assert "forge-bf16-graf" in err and "forge-bf16-graph" in err
+
+
+def test_host_path_times_the_reused_launch_path_without_a_gpu():
+    """`python -m forge_dsl.bench.host_path` (its stubs patch module globals: a process of its own): every update
+    after the first takes the reused launch, and a host time is reported."""
+    import os
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "forge_dsl.bench.host_path", "--layers", "3", "--steps", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "launches: {'checked': 1, 'reused': 20}" in done.stdout  # 3 layers × 7 steps, the first checked
+    assert re.search(r"host µs: median \d+\.\d, 10th percentile \d+\.\d \(6 updates\)", done.stdout), done.stdout
