@@ -9,7 +9,7 @@ import torch
 import forge_dsl
 from forge_dsl import ForgeOptimizer
 from forge_dsl.training.mixed import MixedSpecOptimizer
-from training_models import DEVICE, llama_batches, llama_loss, make_llama, rel_err, twin
+from training_models import llama_batches, llama_loss, make_llama, rel_err, twin
 
 MUON = dict(lr=2e-3, weight_decay=0.05, momentum=0.9, ns_steps=4, eps=1e-6, ns_coefficients=(3.0, -4.0, 2.0))
 ADAMW = dict(lr=1e-3, weight_decay=0.02, betas=(0.8, 0.95))
