@@ -258,12 +258,16 @@ class PreparedLaunch:
         args[self._host] = exports
         args[self._seed] = seed
         stream = current_stream(weight.device)
+        # [T, K] and [T, N] as the checked launch read them: a view, or a contiguous copy of rows no view can
+        # reach (`checks.check_linear`), alive until the launch has been issued on the stream
+        x2 = x if x.dim() == 2 else x.reshape(-1, self._K)
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, self._N)
         if self._direct is not None and launcher is self._direct.run:
-            self._direct.launch(self._grid, stream, function, packed_metadata, args, {self._x: x, self._dy: dy})
+            self._direct.launch(self._grid, stream, function, packed_metadata, args, {self._x: x2, self._dy: dy2})
             return scalar_updates
         descriptor = self._gluon_lib.descriptor
-        args[self._x] = descriptor(x if x.dim() == 2 else x.reshape(-1, self._K), self._x_block)
-        args[self._dy] = descriptor(dy if dy.dim() == 2 else dy.reshape(-1, self._N), self._dy_block)
+        args[self._x] = descriptor(x2, self._x_block)
+        args[self._dy] = descriptor(dy2, self._dy_block)
         launcher(self._grid, 1, 1, stream, function, packed_metadata, None, None, None, *args)
         return scalar_updates
 
@@ -281,11 +285,11 @@ class DirectLaunch:
     """
 
     _MAPS_MAX = 16  # addresses remembered per descriptor argument (a training loop's activations take a few)
+    _BASE_ARGS = 13  # the C launcher's arguments before the kernel's, as `launch` passes them (Triton 3.6's)
 
-    def __init__(self, run, c_launch, base_len: int, make_arg, slots: dict) -> None:
+    def __init__(self, run, c_launch, make_arg, slots: dict) -> None:
         self.run = run  # the CudaLauncher this stands for (`PreparedLaunch` launches through this for it only)
         self._c_launch = c_launch
-        self._base_len = base_len
         self._make_arg = make_arg
         # kernel parameter index -> (its tensordesc metadata, shape, strides, padding, {address: expanded args})
         self._slots = slots
@@ -311,7 +315,8 @@ class DirectLaunch:
         cells = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
         indices, metas = cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
         if (set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or indices != set(descriptors)
-                or not metas or len(metas) != len(indices) or run.global_scratch_size or run.profile_scratch_size):
+                or not metas or len(metas) != len(indices) or run.global_scratch_size or run.profile_scratch_size
+                or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != cls._BASE_ARGS):
             return None
         slots = {}
         for meta, index in zip(metas, sorted(indices)):
@@ -319,12 +324,12 @@ class DirectLaunch:
             if meta is None or meta.get("fp4_padded") or len(desc.shape) != 2:
                 return None
             slots[index] = (meta, tuple(desc.shape), tuple(desc.strides), desc.padding, {})
-        return cls(run, cells["launcher"], driver._BASE_ARGS_FORMAT_LEN, driver.make_tensordesc_arg, slots)
+        return cls(run, cells["launcher"], driver.make_tensordesc_arg, slots)
 
     def launch(self, grid: int, stream: int, function, packed_metadata, args: list, activations: dict) -> None:
         """`run(grid, 1, 1, stream, function, packed_metadata, None, None, None, *args)` with each descriptor
-        parameter's activation (`activations`: parameter index -> a tensor of the entry's metadata) in place of
-        its TensorDescriptor."""
+        parameter's activation (`activations`: parameter index -> the 2-D tensor [T, C] whose TensorDescriptor the
+        launch would pass: the entry's shape and strides) in place of that descriptor."""
         run = self.run
         final = [grid, 1, 1, stream, function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                  packed_metadata, None, None, None]

@@ -95,6 +95,7 @@ class ParamStepper:
         self.state = state
         self.param_groups = param_groups
         self.keywords = keywords
+        self._keyword_order = tuple(sorted(keywords))
         self.param_index: dict[torch.nn.Parameter, int] = {}
         self.group_of: dict[torch.nn.Parameter, dict] = {}
         self.names: Mapping[torch.nn.Parameter, str] = {}
@@ -114,8 +115,8 @@ class ParamStepper:
         self.capture_allowed = False  # set by `CapturedStep` while it records the step
         # parameter -> (what it was made from, its state): `prepare_state`'s, until the first update takes it
         self._prepared: dict[torch.nn.Parameter, tuple[tuple, dict]] = {}
-        # id(param group) -> (the group, its keywords as `check_step` read them): see `checked_hypers`
-        self._checked: dict[int, tuple[dict, dict]] = {}
+        # id(param group) -> (the group, its keyword values as `check_step` read them, its keywords): `checked_hypers`
+        self._checked: dict[int, tuple[dict, tuple, dict]] = {}
         # parameter -> (its state's step tensor, a view of it): see `counter`
         self._counters: dict[torch.nn.Parameter, tuple[torch.Tensor, Any]] = {}
 
@@ -150,7 +151,7 @@ class ParamStepper:
             hypers = self.group_hypers(group)
             try:
                 resolved_hypers(self.spec, hypers)  # remembered while the group's keywords stay the same
-                self._checked[id(group)] = (group, hypers)
+                self._checked[id(group)] = (group, tuple(group.get(k) for k in self._keyword_order), hypers)
                 continue
             except (TypeError, ValueError):
                 pass
@@ -176,19 +177,24 @@ class ParamStepper:
         self.progress.step_checked = True
 
     def checked_hypers(self, group: dict) -> dict[str, Any]:
-        """`group`'s keywords as the last `check_step` read them (at the step's first fused update, or in `step()`):
-        the fused updates of a step share one dict a group instead of making one a layer, so a step's fused
-        weights step with the keywords it was checked with (a scheduler writes them between steps). Read only."""
+        """`group`'s keywords (`group_hypers`): the dict the last `check_step` made while every keyword of the group
+        is still the object it read (a scheduler's new lr is a new object), else a new one. The fused updates of a
+        step share one dict a group instead of making one a layer. Read only."""
         kept = self._checked.get(id(group))
-        return kept[1] if kept is not None and kept[0] is group else self.group_hypers(group)
+        if kept is not None and kept[0] is group and all(
+                group.get(k) is v for k, v in zip(self._keyword_order, kept[1])):
+            return kept[2]
+        return self.group_hypers(group)
 
     def counter(self, p: torch.Tensor, state: Mapping[str, Any]):
         """`p`'s step counter, `state["step"]` (a 0-d `checkpoint.STEP_DTYPE` CPU tensor), as a 0-d numpy array
         sharing its memory: `int(c)` reads it and `c[()] = n` writes it in well under a µs, where the tensor's
-        `.item()` and `+=` take a few µs each on every fused update. The tensor itself where numpy cannot view it."""
+        `.item()` and `+=` take a few µs each on every fused update. Made again where the tensor or its memory
+        changed (a loaded state dict, `t.data = ...`, a copied optimizer); the tensor itself where numpy cannot
+        view it."""
         t = state["step"]
         kept = self._counters.get(p)
-        if kept is not None and kept[0] is t:
+        if kept is not None and kept[0] is t and (kept[1] is t or kept[1].ctypes.data == t.data_ptr()):
             return kept[1]
         view = t.numpy() if t.device.type == "cpu" and t.dim() == 0 and not t.requires_grad else t
         self._counters[p] = (t, view)
@@ -353,7 +359,7 @@ class ParamStepper:
         self._refuse_capture(weight)
         self._check_first_update(weight)
         group = self.group_of[weight]
-        hypers = self.group_hypers(group)
+        hypers = self.checked_hypers(group)
         state = self.state_for(weight, group, hypers)
         self.progress.open_backward()
         return ParamUpdate(self.spec, tensor_parallel.local(weight), state, step=int(state["step"].item()) + 1,

@@ -401,3 +401,69 @@ def test_a_direct_launch_passes_the_c_launcher_what_the_wrapper_passes(monkeypat
     run.global_scratch_size = 0
     assert reuse.DirectLaunch.of(run, {1: _Descriptor(x)}) is None  # a descriptor parameter it does not know
     assert reuse.DirectLaunch.of(lambda *args: None, {1: _Descriptor(x), 3: _Descriptor(dy)}) is None
+
+
+@pytest.mark.skipif(not __import__("triton").__version__.startswith(reuse.VERIFIED_TRITON),
+                    reason="DirectLaunch reads the launcher wrapper of the Triton versions reuse is verified on")
+@pytest.mark.parametrize("activations", ["viewable", "not-viewable"])
+def test_reused_launches_below_the_wrapper_read_what_the_wrapper_reads(recorder, monkeypatch, activations):
+    """Reused launches of `fused_linear_step` through `DirectLaunch` against the same launches through Triton 3.6's
+    `CudaLauncher` and its wrapper (DirectLaunch off), the C launcher a recorder: the same arguments, each
+    CUtensorMap (a recorder standing for `make_tensordesc_arg`) over memory of the same bytes. "not-viewable": x
+    [B, T, K] a slice whose rows cannot be viewed as [B·T, K], so the checked launch's descriptor reads a
+    contiguous copy; a map of x's own storage would read other rows (silently wrong updates)."""
+    import ctypes
+    import hashlib
+
+    from triton.backends.nvidia import driver
+
+    def make_tensordesc_arg(arg, meta):  # a CUtensorMap encodes an address, not the bytes there
+        return [("map", arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), meta["swizzle"]),
+                *arg.shape, *arg.strides]
+
+    def read(v):  # at the launch, what a map's kernel would read: the bytes at its address
+        if isinstance(v, tuple) and v[:1] == ("map",):
+            _, address, (rows, cols), (row_stride, _), swizzle = v
+            data = ctypes.string_at(address, 2 * ((rows - 1) * row_stride + cols))
+            return ("map", hashlib.sha256(data).hexdigest(), (rows, cols), row_stride, swizzle)
+        return _value(v)
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", make_tensordesc_arg)
+    fused_ws = _fused_ws()
+    signature = {name: ("tensordesc<bf16>" if name in ("X", "DY") else "*bf16") for name in fused_ws.arg_names}
+    launched = []
+    run = object.__new__(driver.CudaLauncher)
+    run.launch = driver.wrap_handle_tensordesc(lambda *args: launched.append(tuple(read(a) for a in args)),
+                                               signature, [{"swizzle": 128}, {"swizzle": 64}])
+    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, False
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+
+    class Compiled:
+        function, packed_metadata = "function", "packed metadata"
+
+    Compiled.run = run
+    monkeypatch.setattr(type(fused_ws), "run", lambda self, *args, grid, warmup, **kwargs: Compiled())
+    monkeypatch.setattr(gluon_lib, "descriptor", lambda t, block: _Descriptor(t))
+    spec = forge_dsl.load_spec("adamw")
+    w, state = _problem(torch.bfloat16, "bf16", "adamw")
+    gen = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(4):
+        h = torch.randn(2, 2 * (T // 2), K, generator=gen).bfloat16()
+        x = h[:, : T // 2] if activations == "not-viewable" else h[:, : T // 2].contiguous()
+        batches.append((x, torch.randn(2, T // 2, N, generator=gen).bfloat16()))
+    assert (batches[0][0].reshape(-1, K).data_ptr() == batches[0][0].data_ptr()) == (activations == "viewable")
+
+    def launches(direct: bool) -> list:
+        reuse.set_enabled(True)  # no entries: the first call is checked again
+        if not direct:
+            monkeypatch.setattr(reuse.DirectLaunch, "of", classmethod(lambda cls, *args: None))
+        launched.clear()
+        for step, (x, dy) in enumerate(batches, 1):  # nothing runs a kernel: w and state stay as they are
+            kernels.fused_linear_step(spec, x, dy, w, state, step=step, lr=1e-2, config=WS_CONFIG)
+        return list(launched)
+
+    below, through = launches(direct=True), launches(direct=False)
+    assert len(below) == len(through) == 3  # steps 2-4 reused; the checked step 1 is the recorder's `run`
+    assert below == through
