@@ -212,6 +212,7 @@ class PreparedLaunch:
         self._N, self._K = template[slot["N"]], template[slot["K"]]
         if template[slot["TIMELINE"]]:
             raise NotReusable("a launch that records a timeline (`python -m forge_dsl.bench.ws_timeline`)")
+        descriptors = {self._x: template[self._x], self._dy: template[self._dy]}  # the checked launch's
         for i in (self._x, self._dy, self._w, self._states, self._scales, self._timeline):  # replaced on every call
             template[i] = None
         self._template = template
@@ -225,8 +226,7 @@ class PreparedLaunch:
         compiled = result() if callable(result) else compiled
         self.kernels = {signature: (compiled.run, compiled.function, compiled.packed_metadata)}
         self._signature_of: tuple = (None, None)  # (the last host scalars, their `exports_signature`)
-        descriptors = (args + tuple(kwargs[name] for name in params[len(args):]))
-        self._direct = DirectLaunch.of(compiled.run, {self._x: descriptors[self._x], self._dy: descriptors[self._dy]})
+        self._direct = DirectLaunch.of(compiled.run, descriptors)
 
     def launch(self, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state, hypers: dict, step: int,
                seed: int) -> Optional[dict]:

@@ -95,7 +95,6 @@ class ParamStepper:
         self.state = state
         self.param_groups = param_groups
         self.keywords = keywords
-        self._keyword_order = tuple(sorted(keywords))
         self.param_index: dict[torch.nn.Parameter, int] = {}
         self.group_of: dict[torch.nn.Parameter, dict] = {}
         self.names: Mapping[torch.nn.Parameter, str] = {}
@@ -115,8 +114,6 @@ class ParamStepper:
         self.capture_allowed = False  # set by `CapturedStep` while it records the step
         # parameter -> (what it was made from, its state): `prepare_state`'s, until the first update takes it
         self._prepared: dict[torch.nn.Parameter, tuple[tuple, dict]] = {}
-        # id(param group) -> (the group, its keyword values as `check_step` read them, its keywords): `checked_hypers`
-        self._checked: dict[int, tuple[dict, tuple, dict]] = {}
         # parameter -> (its state's step tensor, a view of it): see `counter`
         self._counters: dict[torch.nn.Parameter, tuple[torch.Tensor, Any]] = {}
 
@@ -146,12 +143,10 @@ class ParamStepper:
         Raises:
             ValueError: naming the param group and its keyword, or the parameter, and what to do.
         """
-        self._checked = {}
         for i, group in enumerate(self.param_groups):
             hypers = self.group_hypers(group)
             try:
                 resolved_hypers(self.spec, hypers)  # remembered while the group's keywords stay the same
-                self._checked[id(group)] = (group, tuple(group.get(k) for k in self._keyword_order), hypers)
                 continue
             except (TypeError, ValueError):
                 pass
@@ -175,16 +170,6 @@ class ParamStepper:
                     "give it back its shape, or start it from fresh state (del optimizer.state[p], p the "
                     "parameter; or build a new optimizer)"))
         self.progress.step_checked = True
-
-    def checked_hypers(self, group: dict) -> dict[str, Any]:
-        """`group`'s keywords (`group_hypers`): the dict the last `check_step` made while every keyword of the group
-        is still the object it read (a scheduler's new lr is a new object), else a new one. The fused updates of a
-        step share one dict a group instead of making one a layer. Read only."""
-        kept = self._checked.get(id(group))
-        if kept is not None and kept[0] is group and all(
-                group.get(k) is v for k, v in zip(self._keyword_order, kept[1])):
-            return kept[2]
-        return self.group_hypers(group)
 
     def counter(self, p: torch.Tensor, state: Mapping[str, Any]):
         """`p`'s step counter, `state["step"]` (a 0-d `checkpoint.STEP_DTYPE` CPU tensor), as a 0-d numpy array
@@ -325,7 +310,7 @@ class ParamStepper:
         self._refuse_capture(weight)
         self._check_first_update(weight)
         group = self.group_of[weight]
-        hypers = self.checked_hypers(group)
+        hypers = self.group_hypers(group)
         state = self.state_for(weight, group, hypers)
         self.progress.open_backward()
         counter = self.counter(weight, state)
@@ -359,7 +344,7 @@ class ParamStepper:
         self._refuse_capture(weight)
         self._check_first_update(weight)
         group = self.group_of[weight]
-        hypers = self.checked_hypers(group)
+        hypers = self.group_hypers(group)
         state = self.state_for(weight, group, hypers)
         self.progress.open_backward()
         return ParamUpdate(self.spec, tensor_parallel.local(weight), state, step=int(state["step"].item()) + 1,
