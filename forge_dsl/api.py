@@ -16,6 +16,7 @@ from .reference import ParamCopy, initial_scalars, initial_values, plain_state
 from .spec import ir
 from .spec.keywords import resolve_hypers
 from .spec.loading import SpecLike, builtin_names, builtin_path, load_spec
+from .spec.phases import extent_size
 
 __all__ = ["load_spec", "builtin_names", "builtin_path", "init_state", "state_layout", "SpecLike"]
 
@@ -79,6 +80,11 @@ def init_state(
         if s.name not in values:
             continue
         value = values[s.name]
+        if s.extent is not None:  # per row or per column: fp32 (`ir.State.must_stay_exact`)
+            state_layout(spec, s, layout)  # a layout dict that names another for it raises
+            out[s.name] = torch.full((extent_size(param.shape, s.extent),), value, dtype=torch.float32,
+                                     device=param.device)
+            continue
         code = resolve_layout(state_layout(spec, s, layout), s.nonneg, param.shape)
         if isinstance(value, ParamCopy):
             storage, scale = quantize(as_rows(value.of(param, torch.float32)), code)
@@ -106,7 +112,8 @@ def state_layout(spec: ir.Spec, state: ir.State, layout: Union[str, Mapping[str,
     if isinstance(layout, Mapping):
         choice = layout.get(state.name, "fp32")
         if state.must_stay_exact and choice != "fp32":
-            why = "it is declared exact" if state.exact else "it starts from param (it holds weight-like values)"
+            why = ("it is declared exact" if state.exact else f"it is one value per {state.unit}" if
+                   state.extent is not None else "it starts from param (it holds weight-like values)")
             raise ValueError(
                 f"state '{state.name}' of {spec.name} must stay in fp32 because {why}, but the layout asks for "
                 f"{choice!r}; leave it out of the layout dict (it then stays fp32)"

@@ -13,10 +13,11 @@ from typing import Any, Mapping, MutableMapping, Optional, Union
 
 import torch
 
-from .barriers import run_stage
+from .barriers import run_region
+from .eager import elementwise, host_tensor
 from .compiler.lowering import Lowered, Operand, lower
 from .spec import ir
-from .spec.phases import is_phased, plan
+from .spec.phases import extent_size, is_phased, plan
 from .spec.keywords import StepConfig, check_step, resolve_hypers
 from .spec.loading import load_spec
 from .spec.scalar_ops import apply_scalar_op
@@ -64,14 +65,17 @@ def initial_scalars(spec: ir.Spec, cfg: StepConfig) -> dict[str, torch.Tensor]:
 
 
 def plain_state(spec: ir.Spec, param: torch.Tensor, cfg: StepConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Fresh state in `dtype`: per-element states present for these flags, then scalar states. A state that
-    must stay exact (`ir.State.must_stay_exact`) is at least float32 (a bfloat16 `dtype` would ruin it)."""
+    """Fresh state in `dtype`: per-element states present for these flags (a state per row or column: [rows] or
+    [cols]), then scalar states. A state that must stay exact (`ir.State.must_stay_exact`) is at least float32 (a bfloat16 `dtype` would ruin it)."""
     exact = {s.name for s in spec.states if s.must_stay_exact}
     state: dict[str, torch.Tensor] = {}
     for name, value in initial_values(spec, cfg).items():
         own = torch.promote_types(dtype, torch.float32) if name in exact else dtype
+        extent = next(s.extent for s in spec.states if s.name == name)
         if isinstance(value, ParamCopy):
             state[name] = value.of(param, own)
+        elif extent is not None:
+            state[name] = torch.full((extent_size(param.shape, extent),), value, dtype=own, device=param.device)
         else:
             state[name] = torch.full_like(param, value, dtype=own)
     return {**state, **initial_scalars(spec, cfg)}
@@ -98,63 +102,6 @@ def _host_value(o: Operand, host: Mapping[str, Any]):
 def scalar_updates(low: Lowered, host: Mapping[str, Any]) -> dict[str, float]:
     """The new value of each scalar state after this step, from `run_host_program`'s values."""
     return {name: float(_host_value(o, host)) for name, o in low.scalar_updates}
-
-
-def _host_tensor(x, like: torch.Tensor) -> torch.Tensor:
-    """A host value (Python float or bool) as a 0-dim tensor in `like`'s dtype: a float64 rounded once to it,
-    to nearest even, as the kernels round theirs to fp32 (docs/LANGUAGE.md, section 6)."""
-    if isinstance(x, bool):
-        return torch.tensor(x, dtype=torch.bool, device=like.device)
-    return torch.tensor(x, dtype=torch.float64, device=like.device).to(like.dtype)
-
-
-_BINARY = {
-    "add": torch.add,
-    "sub": torch.sub,
-    "mul": torch.mul,
-    "div": torch.div,
-    "pow": torch.pow,
-    "atan2": torch.atan2,
-    "lt": torch.lt,
-    "le": torch.le,
-    "gt": torch.gt,
-    "ge": torch.ge,
-    "eq": torch.eq,
-    "ne": torch.ne,
-    "and": torch.logical_and,
-    "or": torch.logical_or,
-    "min": torch.minimum,  # NaN if either is NaN
-    "max": torch.maximum,
-}
-
-_UNARY = {
-    "neg": torch.neg,
-    "not": torch.logical_not,
-    "sqrt": torch.sqrt,
-    "rsqrt": torch.rsqrt,
-    "abs": torch.abs,
-    # torch.sign(NaN) is 0; the language's sign keeps NaN (as IEEE and the kernels do), and the sign of a zero
-    "sign": lambda a: torch.where(torch.isnan(a) | (a == 0), a, torch.sign(a)),
-    "exp": torch.exp,
-    "log": torch.log,
-    "atan": torch.atan,
-    "tanh": torch.tanh,
-    "erf": torch.erf,
-    "log1p": torch.log1p,
-    "expm1": torch.expm1,
-}
-
-
-def _elementwise(op: str, args: list[torch.Tensor]) -> torch.Tensor:
-    """One per-element operation on tensors that broadcast (host values are 0-dim tensors)."""
-    if op == "where":
-        return torch.where(*args)
-    if op == "clamp":
-        x, lo, hi = args
-        return torch.minimum(torch.maximum(x, lo), hi)
-    if op in _BINARY:
-        return _BINARY[op](*args)
-    return _UNARY[op](*args)
 
 
 def reference_step(
@@ -232,7 +179,7 @@ def reference_step(
 
     def value(o: Operand) -> torch.Tensor:
         if o.kind == "const" or o.is_host:
-            return _host_tensor(_host_value(o, host), param)
+            return host_tensor(_host_value(o, host), param)
         if o.kind == "state":
             return inputs[o.name]
         if o.kind in ("param", "grad"):
@@ -245,7 +192,7 @@ def reference_step(
 
     for instr in low.elem:
         args = [value(a) for a in instr.args]
-        env[instr.name] = stored(*args) if instr.op == "stored" else _elementwise(instr.op, args)
+        env[instr.name] = stored(*args) if instr.op == "stored" else elementwise(instr.op, args)
     new_values = [(target, stored(value(o)) if target == "param" else value(o)) for target, o in low.outputs]
     for target, v in new_values:
         (param if target == "param" else state[target]).copy_(v)
@@ -256,22 +203,24 @@ def reference_step(
 def _phased_step(spec: ir.Spec, cfg, param: torch.Tensor, grad: torch.Tensor, state: MutableMapping[str, torch.Tensor],
                  *, step: int, weight_dtype: Optional[torch.dtype]) -> None:
     """`reference_step` of a spec split into phases (`spec.phases.plan`): the tile phase's reference step, with its
-    transients zero-filled tensors like `param`; the barriers on the whole tensor; the post phase's reference step
-    with the matrix barrier's result (or the gradient handed over) as its gradient and the per-tensor results as
-    its keywords."""
+    transients zero-filled tensors like `param`; the region on the whole tensor (`barriers.run_region`, in `param`'s
+    dtype); the post phase's reference step with the value the region hands it (or the gradient handed over) as its
+    gradient and the region's per-tensor values as its keywords. `param_eps` is the machine epsilon of
+    `weight_dtype` (else `param`'s dtype)."""
     phases = plan(spec)
     step = check_step(step)
+    param_eps = torch.finfo(weight_dtype or param.dtype).eps
     transients = {name: torch.zeros_like(param) for name in phases.transients}
     held = {**{name: state[name] for name in list(spec.state_names) + list(spec.scalar_names) if name in state},
             **transients}
     tile_state = {s.name: held[s.name] for s in phases.tile.states if s.name in held}
     tile_state.update({name: held[name] for name in phases.tile.scalar_names if name in held})
     reference_step(phases.tile, param, grad, tile_state, step=step, weight_dtype=weight_dtype,
-                   **phases.keywords(phases.tile, cfg, param.shape))
+                   **phases.keywords(phases.tile, cfg, param.shape, param_eps))
     if phases.post is None:
         return
-    post_grad, results = run_stage(phases, {**held, "param": param}, cfg.hypers, step)
+    post_grad, results = run_region(phases, {**held, "param": param}, cfg, step, param_eps)
     post_grad = post_grad.to(param.dtype)
     post_state = {s.name: held[s.name] for s in phases.post.states}
     reference_step(phases.post, param, post_grad, post_state, step=step, weight_dtype=weight_dtype,
-                   **phases.keywords(phases.post, cfg, param.shape, results))
+                   **phases.keywords(phases.post, cfg, param.shape, param_eps, results))

@@ -513,8 +513,9 @@ class _Checker:
         t, level = self.infer(first, env, defined_somewhere, why)
         self.expect_real(first, t, f"{func}()")
         if not isinstance(first, ir.Name) or level < Level.ELEMENT:
-            raise self.error(f"the first argument of {func}() must name a per-element value (param, a state or a "
-                             "temporary)", first.loc, hint=f"assign it to a temporary first: 'u = ...' then "
+            raise self.error(f"the first argument of {func}() must name a value per element, row or column (param, "
+                             "a state or a temporary), not " + ("one per tensor" if isinstance(first, ir.Name) else
+                                                                "an expression"), first.loc, hint=f"assign it to a temporary first: 'u = ...' then "
                              f"'{func}(u{', ...' if arity > 1 else ''})'")
         for arg in expr.args[1:]:
             t, level = self.infer(arg, env, defined_somewhere, why)

@@ -248,7 +248,11 @@ class State:
     `nonneg` declares that it never goes below zero (int8 layouts then use the
     unsigned map); `exact` (written `state z = param exact`) that it must be stored
     exactly: in fp32, never in a bf16 or int8 layout; `condition`, a flag
-    expression, says when the state exists at all.
+    expression, says when the state exists at all. `extent` (written
+    `state r[rows] = 0`) makes it one value per row ("rows": [rows]) or per column
+    ("cols": [cols]) of the weight (`phases.shape_values`), not per element: such a state
+    starts from a number, is kept in fp32 and is read and written only on the whole
+    weight, between the phases (docs/LANGUAGE.md, section 9.1).
     """
 
     name: str
@@ -257,6 +261,7 @@ class State:
     condition: Optional[Expr] = None
     exact: bool = False
     loc: Loc = _loc()
+    extent: Optional[str] = None
 
     @property
     def starts_from_param(self) -> bool:
@@ -265,10 +270,16 @@ class State:
         return isinstance(e, Name) and e.id == "param"
 
     @property
+    def unit(self) -> str:
+        """What it holds one value per: "element", "row" or "column"."""
+        return {None: "element", "rows": "row", "cols": "column"}[self.extent]
+
+    @property
     def must_stay_exact(self) -> bool:
         """Whether every layout must keep this state in fp32: declared `exact`, or it starts
-        from `param` (it holds weight-like values, which a bf16 or int8 code would ruin)."""
-        return self.exact or self.starts_from_param
+        from `param` (it holds weight-like values, which a bf16 or int8 code would ruin), or it
+        is per row or per column (`extent`: a few numbers per weight, kept whole)."""
+        return self.exact or self.starts_from_param or self.extent is not None
 
 
 @dataclass(frozen=True)

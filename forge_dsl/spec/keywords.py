@@ -170,9 +170,10 @@ def resolve_hypers(spec: ir.Spec, kwargs: Mapping[str, Any], caller: str = "step
         for i, (member, v) in enumerate(zip(g.members, given)):
             if member in kwargs:
                 raise TypeError(f"{caller}() got both '{g.name}' and its member '{member}'; pass one of them")
-            values[member] = _as_number(spec, f"{g.name}[{i}] ({member})", v)
+            values[member] = None if v is None and hypers[member].optional else _as_number(
+                spec, f"{g.name}[{i}] ({member})", v)
     for name, h in hypers.items():
-        if h.optional and kwargs.get(name) is None:
+        if h.optional and kwargs.get(name) is None and name not in values:
             values[name] = None
         elif name in kwargs:
             values[name] = _as_number(spec, name, kwargs[name])

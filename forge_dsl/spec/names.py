@@ -7,8 +7,8 @@ from __future__ import annotations
 import keyword
 
 __all__ = ["API_KEYWORDS", "BARRIER_FUNCTIONS", "BUILTIN_FUNCTIONS", "BUILTIN_VALUES", "COLLIDING_NAMES",
-           "NOT_ELEMENT_WISE_HINT", "PER_TENSOR_FUNCTIONS", "REDUCTIONS", "RESERVED_NAMES", "SCHEDULER_KEYS",
-           "SHAPE_VALUES"]
+           "NOT_ELEMENT_WISE_HINT", "PER_TENSOR_FUNCTIONS", "REDUCTIONS", "RESERVED_NAMES", "ROW_COLUMN_FUNCTIONS",
+           "SCHEDULER_KEYS", "SHAPE_VALUES", "STATE_EXTENTS"]
 
 # name -> number of arguments
 BUILTIN_FUNCTIONS = {
@@ -33,14 +33,21 @@ BUILTIN_FUNCTIONS = {
 
 # Functions of the whole weight that split an update into phases (spec/phases.py): name -> number of arguments.
 # orthogonalize(x, steps, a, b, c, eps): torch.optim.Muon's Newton-Schulz iteration of the matrix x, in bfloat16;
-# norm(x), sum(x), mean(x): the 2-norm, sum and mean of x over the whole tensor (one value per tensor).
+# norm(x), sum(x), mean(x): the 2-norm, sum and mean of x's numbers (one value per tensor); rowmean(x), colmean(x):
+# the mean of each row (one value per row) and of each column (one per column) of x, the weight seen as a matrix.
 BARRIER_FUNCTIONS = {
     "orthogonalize": 6,
     "norm": 1,
     "sum": 1,
     "mean": 1,
+    "rowmean": 1,
+    "colmean": 1,
 }
 PER_TENSOR_FUNCTIONS = frozenset({"norm", "sum", "mean"})
+# reduction -> the extent of its result (spec/extents.py)
+ROW_COLUMN_FUNCTIONS = {"rowmean": "rows", "colmean": "cols"}
+# What a state may be besides per element: `state r[rows] = 0` (one value per row), `state c[cols] = 0`.
+STATE_EXTENTS = ("rows", "cols")
 
 # Functions a user may reach for that combine several elements (the matrix functions of Muon and Shampoo and the
 # row / column statistics of Adafactor among them).
@@ -48,7 +55,7 @@ REDUCTIONS = {
     "prod", "dot", "std", "var", "amax", "amin", "argmax", "argmin",
     "cumsum", "cumprod", "matmul", "mm", "numel", "size", "softmax", "logsumexp", "median",
     "topk", "sort", "roll", "shift", "outer", "trace", "any", "all", "count",
-    "rms", "rowmean", "colmean", "rowsum", "colsum", "newton_schulz", "zeropower", "svd", "qr",
+    "rms", "rowsum", "colsum", "newton_schulz", "zeropower", "svd", "qr",
     "inverse", "eigh", "transpose",
 }
 
@@ -58,14 +65,16 @@ NOT_ELEMENT_WISE_HINT = (
     "weight's other tiles exist, so nothing computed over the whole tensor can reach it (nor a hyperparameter "
     "computed from this step's gradient: the update has run before step()). Clipping by the global norm: "
     "ForgeOptimizer(..., max_grad_norm=c) around any spec. A norm, sum or mean over the tensor, or Muon's "
-    "orthogonalize(), as a statement of its own ('n = norm(x)'), splits the update into phases (docs/LANGUAGE.md "
-    "section 9.1; the built-in specs 'muon' and 'lamb'). Row and column statistics (Adafactor), Shampoo: not "
-    "expressible yet; train with torch.optim's optimizer (torch.optim.Adafactor) stepping from .grad"
+    "orthogonalize(), or the mean of each row or column (rowmean, colmean, into a state declared 'state r[rows] = "
+    "0'), as a statement of its own ('n = norm(x)'), splits the update into phases (docs/LANGUAGE.md section 9.1; "
+    "the built-in specs 'muon', 'lamb' and 'adafactor'). Shampoo, per-block moments: not expressible yet; train "
+    "with their PyTorch implementation stepping from .grad (ForgeOptimizer(..., fuse=False))"
 )
 
 BUILTIN_VALUES = ("param", "grad", "step")
-# The weight's shape, one value per tensor: `rows` = size(0), `cols` = the product of the other sizes.
-SHAPE_VALUES = ("rows", "cols")
+# One value per tensor, from the weight: `rows` = size(0), `cols` = the product of the other sizes, `ndim` = its
+# number of dimensions, `param_eps` = the machine epsilon of the dtype it is stored in (torch.finfo(dtype).eps).
+SHAPE_VALUES = ("rows", "cols", "ndim", "param_eps")
 
 # Names that would collide with Python (keyword arguments of the generated
 # launchers), Triton or the generated code's own names.

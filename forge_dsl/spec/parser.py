@@ -6,6 +6,7 @@ tokens that would have been accepted there in words.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -19,7 +20,7 @@ from lark import Lark, Token, Transformer, v_args
 from . import ir
 from .errors import (BIDI_CONTROLS, HIDING_CHARACTERS, Loc, SpecError, character_name, pasted_character_hint,
                      shown_character)
-from .names import NOT_ELEMENT_WISE_HINT
+from .names import NOT_ELEMENT_WISE_HINT, STATE_EXTENTS
 
 __all__ = ["parse_spec", "grammar_text"]
 
@@ -343,6 +344,13 @@ class _WrittenNumber(float):
         number.loc = loc
         return number
 
+@dataclasses.dataclass(frozen=True)
+class _Extent:
+    """A state's `[rows]` or `[cols]` while the parser builds the IR (`ir.State.extent`)."""
+
+    name: str
+
+
 def _token_loc(path: str, tok: Token) -> Loc:
     return Loc(path, tok.line, tok.column, tok.end_line, tok.end_column)
 
@@ -433,6 +441,8 @@ class _ToIR(Transformer):
         interval = children[-1] if isinstance(children[-1], ir.Interval) else ir.UNBOUNDED
         comps = [c for c in children[1:] if isinstance(c, tuple)]
         members = tuple(
+            ir.Hyper(cname, None, interval, group=str(name), index=i, optional=True, loc=cloc) if isinstance(
+                value, Token) else
             ir.Hyper(cname, float(value), interval, group=str(name), index=i, loc=cloc, default_loc=value.loc)
             for i, (cname, value, cloc) in enumerate(comps)
         )
@@ -476,16 +486,26 @@ class _ToIR(Transformer):
 
     @v_args(meta=True)
     def state(self, meta, children):
-        name, init = children[0], children[1]
-        modifiers = [c for c in children[2:] if isinstance(c, Token) and c.type in ("NONNEG", "EXACT")]
-        conds = [c for c in children[2:] if not (isinstance(c, Token) and c.type in ("NONNEG", "EXACT"))]
+        name, rest = children[0], list(children[1:])
+        extent = rest.pop(0) if isinstance(rest[0], _Extent) else None
+        init = rest[0]
+        modifiers = [c for c in rest[1:] if isinstance(c, Token) and c.type in ("NONNEG", "EXACT")]
+        conds = [c for c in rest[1:] if not (isinstance(c, Token) and c.type in ("NONNEG", "EXACT"))]
         seen: set[str] = set()
         for tok in modifiers:
             if tok.value in seen:
                 raise SpecError(f"'{tok.value}' is written twice", _token_loc(self.path, tok), self.source)
             seen.add(tok.value)
         return ir.State(str(name), init, "nonneg" in seen, conds[0] if conds else None, exact="exact" in seen,
-                        loc=_token_loc(self.path, name))
+                        loc=_token_loc(self.path, name), extent=None if extent is None else extent.name)
+
+    def extent(self, children):
+        (tok,) = children
+        if tok.value not in STATE_EXTENTS:
+            raise SpecError(f"a state is one value per element, per row ([rows]) or per column ([cols]) of the "
+                            f"weight, not per '{tok.value}'", _token_loc(self.path, tok), self.source,
+                            hint="write 'state NAME[rows] = 0' or 'state NAME[cols] = 0'")
+        return _Extent(str(tok.value))
 
     @v_args(meta=True)
     def scalar(self, meta, children):

@@ -1,21 +1,27 @@
-"""Stage 3 of a spec that reads the whole weight: its update split into element-wise phases.
+"""Stage 3 of a spec that reads the whole weight: its update split into element-wise phases around a region.
 
-A function of the whole weight (`names.BARRIER_FUNCTIONS`: `o = orthogonalize(u, ...)`) cannot run on one tile
-of the weight while its gradient is in registers: it needs every element of `u`. The update is split there:
+A function of the whole weight (`names.BARRIER_FUNCTIONS`: `o = orthogonalize(u, ...)`, `n = norm(x)`,
+`r = rowmean(x)`) cannot run on one tile of the weight while its gradient is in registers: it needs every element
+of its input. The update is split at the **region** (`placement.region_bounds`: from the first such statement to
+the last that calls one or touches a value per row or column):
 
-  * the **tile phase**, the statements before the barrier: an element-wise spec of its own, fused into the layer's
-    dW tiles (or stepped from a gradient) as every spec is. It updates the states and hands over, per element, the
-    values the rest reads that are not states (`transients`: the barrier's input when it is a temporary, `grad`
-    and temporaries read after the barrier). It leaves the weight as it is (`param = param`).
-  * the **barrier**: the function, on the whole weight of one layer, right after that layer's tile phase.
-  * the **post phase**, the statements after it: an element-wise spec whose `grad` is the barrier's result; it
-    writes the weight (once, with the step's rounding) and any state assigned there.
+  * the **tile phase**, the statements before the region: an element-wise spec of its own, fused into the layer's
+    dW tiles (or stepped from a gradient) as every spec is. It updates the per-element states and hands over, per
+    element, the values the rest reads that are not states (`transients`: `grad` and temporaries read after it).
+    It leaves the weight as it is (`param = param`).
+  * the **region**, on the whole weight of one layer right after that layer's tile phase, in fp32 torch
+    (`barriers.run_region`): its functions of the whole weight, the states per row or per column, and whatever
+    arithmetic stands between them.
+  * the **post phase**, the statements after it: an element-wise spec whose `grad` is a value per element the region
+    computed (the `orthogonalize` result), or the gradient handed over; the values per tensor the region computed
+    (a norm, and arithmetic on it) are its keywords. It writes the weight (once, with the step's rounding) and any
+    state assigned there.
 
 A transient lives for one layer's update only: one scratch tensor shaped like the weight, fp32, never in the
-optimizer's state dict. A spec that reads `rows` or `cols` (the weight's shape) without a barrier is planned as its
-tile phase alone. Both phases are ordinary specs (their canonical text, `print_spec`), so the compiler, the
-loader's cache, the reference step and forge-test treat them as any other; their keywords are the spec's own
-(tuples flattened into their members) and `rows` / `cols` where they read them.
+optimizer's state dict. A spec that reads the weight's shape (`rows`, `cols`, `ndim`, `param_eps`) without a
+region is planned as its tile phase alone. Both phases are ordinary specs (their canonical text, `print_spec`), so
+the compiler, the loader's cache, the reference step and forge-test treat them as any other; their keywords are
+the spec's own (tuples flattened into their members) and the weight's shape values where they read them.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ from . import ir
 from .checker import check_spec
 from .errors import Loc, SpecError
 from .names import BARRIER_FUNCTIONS, PER_TENSOR_FUNCTIONS, SHAPE_VALUES
+from .placement import extents, region_bounds
 from .parser import parse_spec
 from .printer import print_spec
-from .variants import assignments, children, evaluate, iter_names, walk, walk_statements
+from .variants import assignments, children, iter_names, walk, walk_statements
 
-__all__ = ["Barrier", "Plan", "is_phased", "plan", "barrier_arguments", "shape_values"]
+__all__ = ["Barrier", "Plan", "extent_size", "is_phased", "plan", "shape_values"]
 
 TILE_SUFFIX = "_tile"
 POST_SUFFIX = "_post"
@@ -45,13 +52,12 @@ class Barrier:
     """`target = func(source, *args)`: one function of the whole weight between the phases.
 
     Attributes:
-        func: its name (`orthogonalize`, `norm`, `sum`, `mean`).
-        target: the temporary it assigns: the post phase's `grad` (a matrix, `orthogonalize`) or a keyword of the
-            post phase (one value per tensor: `norm`, `sum`, `mean`).
-        source: what it reads after the tile phase: `param` (the weight, unchanged by the tile phase), a state of
-            the spec, or a transient.
+        func: its name (`orthogonalize`, `norm`, `sum`, `mean`, `rowmean`, `colmean`).
+        target: the temporary it assigns.
+        source: what it reads: `param` (the weight, unchanged by the tile phase), a state of the spec, a transient
+            or a value the region computed before it.
         args: its other arguments (orthogonalize's steps, a, b, c, eps), one value per tensor: expressions of the
-            keywords, `step`, `rows` and `cols` (`barrier_arguments` evaluates them).
+            keywords, `step` and the weight's shape values (`barriers.run_region` evaluates them).
         loc: where it is written.
     """
 
@@ -74,15 +80,19 @@ class Plan:
     Attributes:
         spec: the spec planned.
         tile: the tile phase, a checked element-wise spec named `<name>_tile`.
-        barriers: the functions of the whole weight after it, in order (none: a spec that reads only `rows` /
-            `cols`).
-        post: the post phase, a checked element-wise spec named `<name>_post`, or None without a barrier.
-        transients: the tile phase's states that are not the spec's: per-element values handed over for one
-            layer (named `kept_<value>`), fp32, never saved.
-        shape_keywords: `rows` / `cols` -> the keyword a phase reads it as (the phases declare the weight's shape
-            as hyperparameters of their own: `rows` and `cols` are built in, not declarable).
-        post_grad: what the post phase reads as its `grad`: a matrix barrier's target, a transient (the
-            gradient handed over), or None (it reads none).
+        barriers: the functions of the whole weight in the region, in order (none: a spec that reads only the
+            weight's shape).
+        post: the post phase, a checked element-wise spec named `<name>_post`, or None without a region.
+        transients: per-element values handed over for one layer (named `kept_<value>`), fp32, never saved: the
+            tile phase's (its extra states) and then those the region writes for the post phase.
+        shape_keywords: `rows`, `cols`, ... -> the keyword a phase reads it as (the phases declare the weight's
+            shape values as hyperparameters of their own: the names are built in, not declarable).
+        post_grad: what the post phase reads as its `grad`: a value per element the region computed, a transient
+            (the gradient handed over), or None (it reads none).
+        region: the region's statements, reading the tile phase's values under their transients' names.
+        results: the values per tensor the region computes that the post phase reads (its keywords).
+        region_kept: a value per element the region computes that the post phase reads besides its `grad` -> the
+            transient it is written to.
     """
 
     spec: ir.Spec
@@ -92,13 +102,17 @@ class Plan:
     transients: tuple[str, ...]
     shape_keywords: Mapping[str, str]
     post_grad: Optional[str] = None
+    region: tuple[ir.Stmt, ...] = ()
+    results: tuple[str, ...] = ()
+    region_kept: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def keywords(self, phase: ir.Spec, cfg, shape, results: Optional[Mapping[str, float]] = None) -> dict:
+    def keywords(self, phase: ir.Spec, cfg, shape, param_eps: float,
+                 results: Optional[Mapping[str, float]] = None) -> dict:
         """`phase`'s keyword values: the spec's resolved keywords `cfg` (a `keywords.StepConfig`: its hypers, tuple
-        members by name, its flags and choices), the weight's `shape` as `rows` / `cols`, and the per-tensor
-        barriers' `results` by target."""
+        members by name, its flags and choices), the weight's `shape` and its dtype's `param_eps` as `rows`, `cols`,
+        `ndim`, `param_eps`, and the region's per-tensor `results` by name."""
         hypers, flags = cfg.hypers, cfg.flags
-        shape_of = {keyword: value for name, value in shape_values(shape).items()
+        shape_of = {keyword: value for name, value in shape_values(shape, param_eps).items()
                     for keyword in [self.shape_keywords.get(name)] if keyword is not None}
         results = results or {}
         out: dict = {f.name: flags[f.name] for f in phase.flags}
@@ -115,22 +129,33 @@ class Plan:
     def describe(self) -> str:
         """The plan as `forge-gen --explain` prints it: phases, extra work, transient bytes per layer."""
         lines = [f"{self.spec.name}: {len(self.phases)} phase{'s' if self.post is not None else ''}"]
+        updated = _names(s.name for s in self.tile.states if s.name not in self.transients and any(
+            a.target == s.name and not (isinstance(a.value, ir.Name) and a.value.id == s.name)
+            for a in assignments(self.tile.body)))
         lines.append(f"  1. tile phase ({self.tile.name}): element-wise, fused into each layer's dW tiles in backward "
-                     f"(or stepped from .grad); updates {_names(s.name for s in self.spec.states) or 'no state'}; "
-                     "leaves the weight as it is")
+                     f"(or stepped from .grad); updates {updated or 'no state'}; leaves the weight as it is")
         if self.transients:
             lines.append(f"     hands over {len(self.transients)} transient{'s' if len(self.transients) > 1 else ''} "
                          f"({', '.join(self.transients)}): {4 * len(self.transients)} bytes per weight element "
                          "(fp32), one layer's at a time, allocated once per weight shape")
-        for b in self.barriers:
-            if b.per_tensor:
-                lines.append(f"  2. {b.target} = {b.func}({b.source}) over the whole weight of one layer, right after "
-                             "its tile phase: one reduction in fp32, read back to the host (one synchronization "
-                             "per layer); no dW recomputed")
-            else:
-                lines.append(f"  2. {b.target} = {b.func}({b.source}) on the whole weight of one layer, right after "
-                             "its tile phase: in bfloat16 as torch.optim.Muon computes it; 3 GEMMs per Newton-Schulz "
-                             "step (4·s²·l + 2·s³ flops, l × s the matrix, s its shorter side); no dW recomputed")
+        if self.region:
+            funcs = ", ".join(f"{b.target} = {b.func}({b.source})" for b in self.barriers)
+            lines.append(f"  2. region, on the whole weight of one layer right after its tile phase, in fp32 torch: "
+                         f"{funcs}; {len(self.region)} statement{'s' if len(self.region) > 1 else ''}; no dW "
+                         "recomputed")
+            if any(b.func == "orthogonalize" for b in self.barriers):
+                lines.append("     orthogonalize in bfloat16 as torch.optim.Muon computes it: 3 GEMMs per Newton-"
+                             "Schulz step (4·s²·l + 2·s³ flops, l × s the matrix, s its shorter side)")
+            per_row = _names(f"{s.name}[{s.extent}]" for s in self.spec.states if s.extent is not None)
+            if per_row:
+                lines.append(f"     states per row / column: {per_row} (fp32, a number per row or column of the "
+                             "weight)")
+            if self.results:
+                lines.append(f"     hands the post phase {_names(self.results)}: one value each per tensor, read back "
+                             "to the host (one synchronization per layer)")
+            if len(self.region) > len(self.barriers):
+                lines.append("     its arithmetic per element holds fp32 temporaries shaped like the weight while it "
+                             "runs")
         if self.post is not None:
             grad = f"grad := {self.post_grad}; " if self.post_grad is not None else ""
             lines.append(f"  3. post phase ({self.post.name}): element-wise on the whole weight, {grad}writes the "
@@ -143,29 +168,23 @@ def _names(names) -> str:
 
 
 def is_phased(spec: ir.Spec) -> bool:
-    """Whether `spec` runs through a `Plan`: it calls a function of the whole weight or reads `rows` / `cols`."""
-    return bool(_barrier_statements(spec)) or _reads_shape(spec.body)
+    """Whether `spec` runs through a `Plan`: it calls a function of the whole weight or reads the weight's shape."""
+    return region_bounds(spec) is not None or _reads_shape(spec.body)
 
 
-def shape_values(shape) -> dict[str, float]:
-    """`rows` and `cols` of a weight of this shape: size(0), and the product of the others (1 for a vector)."""
+def extent_size(shape, extent: str) -> int:
+    """How many numbers a state declared `[rows]` or `[cols]` (`extent`) holds for a weight of this shape."""
+    return int(shape_values(shape, 0.0)[extent])
+
+
+def shape_values(shape, param_eps: float) -> dict[str, float]:
+    """The per-tensor built-ins of a weight of this shape: `rows` (size(0)), `cols` (the product of the others; 1
+    for a vector), `ndim`, and `param_eps`, the machine epsilon of the dtype the weight is stored in (given)."""
     rows = int(shape[0]) if len(shape) else 1
     cols = 1
     for n in shape[1:]:
         cols *= int(n)
-    return {"rows": float(rows), "cols": float(cols)}
-
-
-def barrier_arguments(barrier: Barrier, hypers: Mapping[str, Optional[float]], step: int, shape) -> tuple[float, ...]:
-    """The barrier's per-tensor arguments, evaluated (float64) over the resolved keywords (`StepConfig.hypers`),
-    `step` and the weight's shape."""
-    values = {**hypers, "step": float(step), **shape_values(shape)}
-    return tuple(float(evaluate(a, values)) for a in barrier.args)
-
-
-def _barrier_statements(spec: ir.Spec) -> list[ir.Assign]:
-    return [s for s in spec.body if isinstance(s, ir.Assign) and isinstance(s.value, ir.Call)
-            and s.value.func in BARRIER_FUNCTIONS]
+    return {"rows": float(rows), "cols": float(cols), "ndim": float(len(shape)), "param_eps": float(param_eps)}
 
 
 def _reads_shape(body) -> bool:
@@ -179,65 +198,70 @@ def _expressions(body):
 
 @functools.lru_cache(maxsize=64)
 def plan(spec: ir.Spec) -> Plan:
-    """Split a checked spec at its barriers (module docstring; `placement` checked where they stand).
+    """Split a checked spec at its region (module docstring; `placement` checked where things stand).
 
     Raises:
-        SpecError: a phase cannot be compiled (located at the first barrier, with the phase's own message).
+        SpecError: a phase cannot be compiled (located at the region's first statement, with the phase's own
+            message).
     """
-    stage = _barrier_statements(spec)
+    bounds = region_bounds(spec)
     taken = set(spec.hyper_names) | set(spec.state_names) | set(spec.flag_names) | {d.name for d in spec.derived} \
         | set(spec.scalar_names) | {s.target for s in assignments(spec.body)}
     shape = {name: _fresh("n_" + name, taken) for name in SHAPE_VALUES}
     shape_keywords = tuple(shape.values())
-    if not stage:
-        tile = _phase(spec, TILE_SUFFIX, tuple(_rename_stmt(s, shape) for s in spec.body), spec.states,
+    element_states = tuple(s for s in spec.states if s.extent is None)
+    if bounds is None:
+        tile = _phase(spec, TILE_SUFFIX, tuple(_rename_stmt(s, shape) for s in spec.body), element_states,
                       spec.scalars, spec.loc, shape_keywords)
         return Plan(spec, tile, (), None, (), shape)
-    cut = spec.body.index(stage[0])
-    before, after = spec.body[:cut], spec.body[cut + len(stage):]
+    first, last = bounds
+    before, region, after = spec.body[:first], spec.body[first:last], spec.body[last:]
     state_names = set(spec.state_names)
+    extent = extents(spec)
     assigned_before = {s.target for s in assignments(before)}
-    targets = {b.target for b in stage}
-    read_after = [n.id for e in _expressions(after) for n in iter_names(e)]
-    handed = [n for n in dict.fromkeys(read_after) if n == "grad" or (n in assigned_before and n not in state_names
-                                                                        and n not in targets)]
-    for b in stage:
-        source = b.value.args[0].id
-        if source not in state_names and source != "param" and source not in handed:
-            handed.insert(0, source)
+    assigned_in_region = {s.target for s in assignments(region)}
+    read_after = [n for e in _expressions(region + after) for n in _read_names(e)]
+    handed = [n for n in dict.fromkeys(read_after) if n == "grad" or (
+        n in assigned_before and n not in state_names and n not in assigned_in_region)]
     kept = {name: _fresh(KEPT_PREFIX + name, taken) for name in handed}
-    transients = tuple(kept.values())
-    tile_states = spec.states + tuple(ir.State(k, ir.Num(0.0)) for k in transients)
     tile_body = tuple(_rename_stmt(s, shape) for s in before) + tuple(
         ir.Assign(k, ir.Name(name)) for name, k in kept.items()) + _keep(
-        ["param"] + [s.name for s in spec.states if s.name not in assigned_before])
-    loc = stage[0].loc
+        ["param"] + [s.name for s in element_states if s.name not in assigned_before])
+    loc = region[0].loc
+    tile_states = element_states + tuple(ir.State(k, ir.Num(0.0)) for k in kept.values())
     tile = _phase(spec, TILE_SUFFIX, tile_body, tile_states, (), loc, shape_keywords)
-    barriers = tuple(Barrier(b.value.func, b.target, kept.get(b.value.args[0].id, b.value.args[0].id),
-                             b.value.args[1:], b.loc) for b in stage)
-    matrix = next((b.target for b in barriers if not b.per_tensor), None)
+    region = tuple(_rename_stmt(s, kept) for s in region)
+    barriers = tuple(Barrier(st.value.func, st.target, st.value.args[0].id, st.value.args[1:], st.loc)
+                     for st in assignments(region) if isinstance(st.value, ir.Call)
+                     and st.value.func in BARRIER_FUNCTIONS)
+    post_reads = list(dict.fromkeys(n for e in _expressions(after) for n in _read_names(e)))
+    from_region = [n for n in dict.fromkeys(st.target for st in assignments(region)) if n in post_reads]
+    results = tuple(n for n in from_region if extent[n] in ("host", "tensor"))
+    elements = [n for n in from_region if extent[n] == "element"]
+    matrix = next((b.target for b in barriers if b.func == "orthogonalize" and b.target in elements), None)
     renamed = {**shape, **kept}
     post_grad = None
-    if matrix is not None:
-        renamed[matrix] = "grad"
-        post_grad = matrix
-    elif "grad" in kept:  # no matrix result: the post phase's grad is the gradient itself, handed over
+    if matrix is not None or (elements and "grad" not in post_reads):  # a value the region computed
+        post_grad = matrix if matrix is not None else elements[0]
+        renamed[post_grad] = "grad"
+    elif "grad" in post_reads:  # the gradient itself, handed over
         post_grad = renamed.pop("grad")
-    else:  # nor the gradient: one transient it reads is its grad (read as an input, never written back)
-        reads = {n.id for e in _expressions(after) for n in iter_names(_rename(e, renamed))}
-        read = [k for k in transients if k in reads]
-        if len(read) == 1:
-            post_grad = read[0]
-            renamed = {**renamed, **{name: "grad" for name, k in kept.items() if k == post_grad}}
+    else:  # one transient it reads (read as an input, never written back)
+        read = [n for n in post_reads if n in kept]
+        if read:
+            post_grad = kept[read[0]]
+            renamed[read[0]] = "grad"
+    region_kept = {n: _fresh(KEPT_PREFIX + n, taken) for n in elements if n != post_grad}
+    renamed.update(region_kept)
     post_body = tuple(_rename_stmt(s, renamed) for s in after)
-    post_reads = {n.id for e in _expressions(post_body) for n in iter_names(e)}
+    post_reads = {n for e in _expressions(post_body) for n in _read_names(e)}
     post_assigned = {s.target for s in assignments(post_body)}
-    post_states = tuple(s for s in spec.states if s.name in post_reads | post_assigned) + tuple(
+    transients = tuple(kept.values()) + tuple(region_kept.values())
+    post_states = tuple(s for s in element_states if s.name in post_reads | post_assigned) + tuple(
         ir.State(k, ir.Num(0.0)) for k in transients if k in post_reads)
     post_body += _keep([s.name for s in post_states if s.name not in post_assigned])
-    results = tuple(b.target for b in barriers if b.per_tensor)
     post = _phase(spec, POST_SUFFIX, post_body, post_states, (), loc, shape_keywords + results)
-    return Plan(spec, tile, barriers, post, transients, shape, post_grad)
+    return Plan(spec, tile, barriers, post, transients, shape, post_grad, region, results, region_kept)
 
 
 def _fresh(name: str, taken: set) -> str:

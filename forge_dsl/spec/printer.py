@@ -138,7 +138,8 @@ def print_spec(spec: ir.Spec) -> str:
         elif h.group not in emitted_groups:
             g = groups[h.group]
             emitted_groups.add(g.name)
-            members = ", ".join(f"{m} = {_number(by_name[m].default)}" for m in g.members)
+            members = ", ".join(f"{m} = {'none' if by_name[m].optional else _number(by_name[m].default)}"
+                                for m in g.members)
             lines.append(f"hyper {g.name} = ({members}){_interval(g.interval)}")
     for f in spec.flags:
         lines.append(f"flag {f.name} = {'true' if f.default else 'false'}")
@@ -148,7 +149,7 @@ def print_spec(spec: ir.Spec) -> str:
     for d in spec.derived:
         lines.append(f"flag {d.name} = {print_expr(d.expr)}")
     for s in spec.states:
-        text = f"state {s.name} = {print_expr(s.init)}"
+        text = f"state {s.name}{'' if s.extent is None else f'[{s.extent}]'} = {print_expr(s.init)}"
         if s.nonneg:
             text += " nonneg"
         if s.exact:

@@ -58,6 +58,7 @@ from ..kernels.layouts import (
 from ..reference import initial_values
 from ..spec import ir
 from ..spec.keywords import check_seed, resolve_hypers
+from ..spec.phases import extent_size
 from ..spec.printer import print_spec
 
 __all__ = ["META_KEY", "FORMAT", "STEP_DTYPE", "metadata", "without_state", "check_state_dict", "Loaded",
@@ -306,9 +307,10 @@ def _checked_state(spec: ir.Spec, values: Any, p: torch.Tensor, label: str, crea
                 f"optimizer's own state (dcp.load keeps the dtypes of the state dict it is given). Construct the "
                 f"optimizer with state_dtype={state_dtype!r}, as the one that saved it, before loading"
             )
-        want_shape = storage_shape(layout, p.shape)
+        want_shape = storage_shape(layout, p.shape) if s.extent is None else (extent_size(p.shape, s.extent),)
         if tuple(t.shape) != want_shape:
-            packed = f" (int4 codes, two a byte: {want_shape})" if layout in FOUR_BIT_LAYOUTS else ""
+            packed = (f" (int4 codes, two a byte: {want_shape})" if layout in FOUR_BIT_LAYOUTS else
+                      f" (one value per {s.unit}: {want_shape})" if s.extent is not None else "")
             raise ValueError(f"state_dict's '{s.name}' of {label} has shape {tuple(t.shape)}, the parameter "
                              f"{tuple(p.shape)}{packed}: the state dict is for another model, or its parameters are "
                              "in another order")

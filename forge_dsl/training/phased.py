@@ -21,11 +21,12 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..api import state_layout
-from ..barriers import run_stage
+from ..barriers import run_region
 from ..kernels.steps import step as elementwise_step
 from ..spec import ir
 from ..spec.keywords import StepConfig
 from ..spec.phases import plan
+from ..spec.variants import iter_names, walk_statements
 from . import installer, tensor_parallel
 
 __all__ = ["PhasedUpdate", "check_and_unfuse_rows", "phased_refusal"]
@@ -56,19 +57,20 @@ class PhasedUpdate:
         return {**state, **self.transients_for(param)}
 
     def tile_keywords(self, param: torch.Tensor, cfg: StepConfig) -> dict:
-        """The tile phase's keyword values for `param` (the spec's resolved `cfg`, the weight's shape)."""
-        return self.plan.keywords(self.plan.tile, cfg, param.shape)
+        """The tile phase's keyword values for `param` (the spec's resolved `cfg`, the weight's shape and dtype)."""
+        return self.plan.keywords(self.plan.tile, cfg, param.shape, torch.finfo(param.dtype).eps)
 
     def finish(self, param: torch.Tensor, tile_state: Mapping[str, Any], cfg: StepConfig, *, step: int, seed: int,
                rounding: str) -> None:
-        """After `param`'s tile phase: the barriers on the whole weight, then the post phase (which writes it). A
-        per-tensor result is read back to the host (the post phase takes it as a keyword)."""
+        """After `param`'s tile phase: the region on the whole weight, then the post phase (which writes it). A
+        per-tensor value the post phase reads is read back to the host (it takes it as a keyword)."""
         phases = self.plan
         if phases.post is None:
             return
-        grad, results = run_stage(phases, {**tile_state, "param": param}, cfg.hypers, step)
+        eps = torch.finfo(param.dtype).eps
+        grad, results = run_region(phases, {**tile_state, "param": param}, cfg, step, eps)
         elementwise_step(phases.post, param, grad, dict(tile_state), step=step, seed=seed, rounding=rounding,
-                         **phases.keywords(phases.post, cfg, param.shape, results))
+                         **phases.keywords(phases.post, cfg, param.shape, eps, results))
 
 
 def phased_refusal(spec: ir.Spec, params: list[tuple[str, torch.Tensor]], *, state_dtype, max_grad_norm,
@@ -83,6 +85,15 @@ def phased_refusal(spec: ir.Spec, params: list[tuple[str, torch.Tensor]], *, sta
                         f"torch.optim.Muon, which refuses the same), but {name} has size {tuple(p.shape)}: give "
                         f"{spec.name} the matrices (model_params=[...]) and the others to another optimizer (e.g. "
                         "torch.optim.AdamW)")
+    per_row = [s.name for s in spec.states if s.extent is not None]
+    if per_row:
+        for name, p in params:
+            if p.dim() > 2:
+                return (f"{spec.name} keeps states per row and per column ({', '.join(per_row)}) of a weight seen as a "
+                        f"matrix of size(0) rows, but {name} has {p.dim()} dimensions, size {tuple(p.shape)} (torch."
+                        "optim.Adafactor factors the last two of them, which these states would not equal): give "
+                        f"{spec.name} the matrices and vectors (model_params=[...]) and the others to another "
+                        "optimizer")
     if max_grad_norm is not None or accumulation_steps > 1:
         return (f"{what}: max_grad_norm= and accumulation_steps= are not supported with it yet; construct the "
                 "optimizer with fuse=False and use torch.nn.utils.clip_grad_norm_ and .grad accumulation")
@@ -91,12 +102,13 @@ def phased_refusal(spec: ir.Spec, params: list[tuple[str, torch.Tensor]], *, sta
     if sharded_dp or any(tensor_parallel.is_dtensor(p) for _, p in params):
         return (f"{what}: sharded parameters (tensor parallelism, FSDP2) are not supported with it yet: its barrier "
                 "reads the whole weight, which a shard does not hold; use fuse=False")
-    for b in phases.barriers:
-        state = next((s for s in spec.states if s.name == b.source), None)
-        code = state_layout(spec, state, state_dtype) if state is not None else "fp32"
-        if code not in ("fp32", "bf16"):
-            return (f"{what}: its {b.func}() reads state '{b.source}' whole, which the {code} layout does not hold "
-                    f"as numbers; keep it fp32 or bf16 (state_dtype={{'{b.source}': 'fp32'}})")
+    read = {n.id for stmt in walk_statements(phases.region)
+            for n in iter_names(stmt.condition if isinstance(stmt, ir.If) else stmt.value)}
+    for state in spec.states:
+        code = state_layout(spec, state, state_dtype)
+        if state.name in read and code not in ("fp32", "bf16"):
+            return (f"{what}: its region reads state '{state.name}' whole, which the {code} layout does not hold "
+                    f"as numbers; keep it fp32 or bf16 (state_dtype={{'{state.name}': 'fp32'}})")
     return None
 
 

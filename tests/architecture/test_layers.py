@@ -28,6 +28,7 @@ LAYERS = (
     ("forge_dsl.interpreter", 0),
     ("forge_dsl.aliases", 0),  # imports its targets by name, at run time
     ("forge_dsl.compiler", 1),
+    ("forge_dsl.eager", 2),
     ("forge_dsl.reference", 2),
     ("forge_dsl.barriers", 2),
     ("forge_dsl.kernels", 3),

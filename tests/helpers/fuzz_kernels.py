@@ -58,7 +58,8 @@ from forge_dsl.spec.variants import combinations
 from forge_dsl.spec.keywords import resolve_hypers
 from forge_dsl.compiler import loader as compiled
 from forge_dsl.compiler.lowering import Lowered, Operand, lower
-from forge_dsl.reference import _elementwise, _host_value, run_host_program
+from forge_dsl.eager import elementwise as _elementwise
+from forge_dsl.reference import _host_value, run_host_program
 from forge_dsl.testing import draw_keywords
 
 __all__ = ["check_kernel", "error_bounds", "Outcome", "KernelMismatch", "forget_module", "SHAPE", "STEPS"]

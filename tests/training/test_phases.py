@@ -209,7 +209,8 @@ def test_a_spec_of_ones_own_plans_its_transients(tmp_path):
     assert [s.name for s in phases.post.states] == ["kept_grad"]
     assert {h.name for h in phases.post.hypers} == {"lr", "n_rows", "n_cols"}
     text = plan(spec).describe()
-    assert "2. o = orthogonalize(buf)" in text and "kept_grad" in text and "4 bytes per weight element" in text
+    assert "2. region" in text and "o = orthogonalize(buf)" in text and "kept_grad" in text
+    assert "4 bytes per weight element" in text
 
 
 def test_a_spec_of_ones_own_equals_its_formula(tmp_path):
