@@ -175,6 +175,20 @@ def _forge_muon(state_dtype: str):
     return attach
 
 
+def _torch_adafactor(model):
+    """torch.optim.Adafactor (its defaults but lr) on every parameter, stepping from .grad (issue M)."""
+    return _stepper(torch.optim.Adafactor(model.parameters(), lr=LR))
+
+
+def _forge_adafactor(model, head: bool = False):
+    """FORGE's adafactor on every parameter: the Linears fused into backward (the layer's gradient one fp32
+    transient while its region runs), the embeddings and vectors from .grad in step()."""
+    opt = forge_dsl.ForgeOptimizer(model, "adafactor", lr=LR)
+    finish = _stepper(opt)
+    finish.close = opt.detach
+    return finish
+
+
 def _forge_checked(state_dtype: str):
     """FORGE with every launch checked (`forge_dsl.kernels.reuse` off): the host path before v14."""
     def attach(model, head: bool = False):
@@ -232,6 +246,9 @@ PATH_METHODS = {m.name: m for m in (
     Method("torch-muon", _torch_muon),
     Method("forge-muon", _forge_muon("fp32"), fused_head=True),
     Method("forge-muon-bf16", _forge_muon("bf16"), fused_head=True),
+    # Adafactor on every parameter (issue M): torch.optim's from .grad against FORGE's in backward
+    Method("torch-adafactor", _torch_adafactor),
+    Method("forge-adafactor", _forge_adafactor),
     *(Method(f"forge-{state}-{path}", _forge(state, path), fused_head=True)
       for state in ("bf16", "int8") for path in ("fused", "slab")),
     *(Method(f"forge-{state}-checked", _forge_checked(state), fused_head=True) for state in ("bf16", "int8")),

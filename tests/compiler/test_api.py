@@ -17,7 +17,7 @@ def test_load_by_name_path_or_spec():
     assert forge_dsl.load_spec(str(builtin_path("adamw"))) == spec
     assert spec.hyper_names == ("lr", "beta1", "beta2", "eps", "weight_decay")
     assert spec.state_names == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-    assert forge_dsl.builtin_names() == ["adagrad", "adamw", "lamb", "lion", "muon", "nadam", "radam", "rmsprop", "sgd", "sgd_momentum"]
+    assert forge_dsl.builtin_names() == ["adafactor", "adagrad", "adamw", "lamb", "lion", "muon", "nadam", "radam", "rmsprop", "sgd", "sgd_momentum"]
 
 
 def test_unknown_builtin_suggests():

@@ -36,18 +36,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / denom
 
 
-def run_against(spec_name, torch_factory, kwargs, state_names, shape, seed, steps, reference_state=None):
-    """Step a float64 parameter with reference_step and with torch; compare param and states each step."""
+def run_against(spec_name, torch_factory, kwargs, state_names, shape, seed, steps, reference_state=None,
+                check_states=None):
+    """Step a float64 parameter with reference_step and with torch; compare param and states each step (the
+    states named alike, and `check_states(opt, theirs, state)` where they are not)."""
     # torch keeps scalar state (step, NAdam's mu_product) in the default dtype: make it float64 too.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        _run_against(spec_name, torch_factory, kwargs, state_names, shape, seed, steps, reference_state)
+        _run_against(spec_name, torch_factory, kwargs, state_names, shape, seed, steps, reference_state,
+                     check_states)
     finally:
         torch.set_default_dtype(previous)
 
 
-def _run_against(spec_name, torch_factory, kwargs, state_names, shape, seed, steps, reference_state):
+def _run_against(spec_name, torch_factory, kwargs, state_names, shape, seed, steps, reference_state, check_states):
     gen = torch.Generator().manual_seed(seed)
     p0 = torch.randn(shape, generator=gen, dtype=torch.float64)
     ours = p0.clone()
@@ -70,6 +73,8 @@ def _run_against(spec_name, torch_factory, kwargs, state_names, shape, seed, ste
                     assert name in state, f"state {name} missing"
                     err = rel_err(state[name].to(torch.float64), torch.as_tensor(ref, dtype=torch.float64))
                     assert err <= REL_TOL, f"step {step}: state {name} relative error {err:.3e}"
+            if check_states is not None:
+                check_states(opt, theirs, state)
 
 
 @SETTINGS
@@ -164,6 +169,25 @@ def test_lamb(lr, b1, b2, eps, wd, shape, seed, steps):
     run_against("lamb", LambFormula, kw, ["exp_avg", "exp_avg_sq"], shape, seed, steps)
 
 
+@SETTINGS
+@given(lr=lr, decay=st.floats(-1.0, 0.0), eps1=st.sampled_from([None, 1e-30, 1e-3]), eps2=st.sampled_from([0.0, 1e-3]),
+       d=st.floats(1.0, 3.0), wd=small, maximize=st.booleans(),
+       shape=st.one_of(shape, st.tuples(st.integers(1, 13))), seed=seed, steps=steps)
+def test_adafactor(lr, decay, eps1, eps2, d, wd, maximize, shape, seed, steps):
+    """Matrices factored (row_var [rows], col_var [cols] against torch's [rows, 1] and [1, cols]), vectors whole
+    (row_var against torch's variance); eps1 None is float64's epsilon in both."""
+    kw = dict(lr=lr, beta2_decay=decay, eps=(eps1, eps2), d=d, weight_decay=wd, maximize=maximize)
+
+    def states(opt, theirs, state):
+        torch_state = opt.state[theirs]
+        pairs = [("row_var", "row_var"), ("col_var", "col_var")] if len(shape) == 2 else [("row_var", "variance")]
+        for ours, name in pairs:
+            err = rel_err(state[ours], torch_state[name].reshape(-1))
+            assert err <= REL_TOL, f"state {ours} relative error {err:.3e}"
+
+    run_against("adafactor", torch.optim.Adafactor, kw, [], shape, seed, steps, check_states=states)
+
+
 def test_every_builtin_has_a_parity_test():
     tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
     assert set(forge_dsl.builtin_names()) <= tested
@@ -175,7 +199,8 @@ def test_keywords_match_torch():
 
     switches = {"self", "params", "foreach", "fused", "capturable", "differentiable"}
     for name, cls in [("adamw", torch.optim.AdamW), ("nadam", torch.optim.NAdam), ("radam", torch.optim.RAdam),
-                      ("rmsprop", torch.optim.RMSprop), ("adagrad", torch.optim.Adagrad), ("sgd_momentum", torch.optim.SGD)]:
+                      ("rmsprop", torch.optim.RMSprop), ("adagrad", torch.optim.Adagrad), ("sgd_momentum", torch.optim.SGD),
+                      ("adafactor", torch.optim.Adafactor)]:
         ours = forge_dsl.load_spec(name).keyword_defaults()
         theirs = {k: v.default for k, v in inspect.signature(cls.__init__).parameters.items() if k not in switches}
         assert set(ours) == set(theirs), (name, set(ours) ^ set(theirs))

@@ -1074,6 +1074,26 @@ def test_model_muon_methods_step_as_torch_muon():
     assert "forward" not in vars(net.model.layers[0].mlp.up_proj)  # close() gave the forwards back
 
 
+def test_model_adafactor_methods_step_as_torch_adafactor():
+    """forge-adafactor (FORGE's adafactor, the Linears in backward) against torch-adafactor (torch.optim.Adafactor
+    from .grad) on the fp32 tiny model: two steps end together to fp32's precision."""
+    net = tiny_bench_model(seed=8).float()
+    reference = copy.deepcopy(net)
+    forge = model.ALL_METHODS["forge-adafactor"].attach(net)
+    ref = model.ALL_METHODS["torch-adafactor"].attach(reference)
+    assert forge.optimizer._handles  # the Linears updated in backward
+    try:
+        for step in range(2):
+            ids = tiny_ids(seed=50 + step)
+            model.train_step(net, ids, forge, "transformers")
+            model.train_step(reference, ids, ref, "transformers")
+        for (n, p), p_ref in zip(net.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-7, msg=n)
+    finally:
+        forge.close()
+    assert "forward" not in vars(net.model.layers[0].mlp.up_proj)  # close() gave the forwards back
+
+
 def test_model_accumulation_methods_accumulate_as_torch():
     """forge-bf16-accum2 (fp32 buffer) runs ACCUMULATION_STEPS forward and backward passes of loss / k per step,
     the last of which updates: on the fp32 tiny model two steps end where torch-adamw-accum2's do (.grad summed
