@@ -111,7 +111,8 @@ def check_barrier_placement(spec: ir.Spec, kinds: Mapping[str, str]) -> None:
                             "its own", call.loc, hint=f"write 'r = {call.func}(...)' and use 'r' after it")
             calls.append((stmt, call))
     _check_extents(spec, env, error)
-    if not calls:
+    bounds = region_bounds(spec)
+    if bounds is None:
         return
     matrices = [c for _, c in calls if c.func == "orthogonalize"]
     if len(matrices) > 1:
@@ -130,21 +131,29 @@ def check_barrier_placement(spec: ir.Spec, kinds: Mapping[str, str]) -> None:
         if isinstance(stmt, ir.Assign) and stmt.target in targets and all(stmt is not s for s, _ in calls):
             raise error(f"'{stmt.target}' holds the result of a function of the whole weight and cannot be assigned "
                         "again", stmt.target_loc, hint="assign to another temporary")
-    first, last = region_bounds(spec)
-    func = calls[0][1].func
+    first, last = bounds
     for stmt in walk_statements(spec.body[:last]):
         if isinstance(stmt, ir.Assign) and stmt.target == "param":
-            raise error(f"'param' is assigned before the last function of the whole weight ({func}() is the first); "
-                        "the weight is written once, after them", stmt.target_loc,
+            where = (f"before the last function of the whole weight ({calls[0][1].func}() is the first)" if calls
+                     else "before the last statement that reads or writes a value per row or column")
+            raise error(f"'param' is assigned {where}; the weight is written once, after them", stmt.target_loc,
                         hint="move every 'param = ...' after them (weight decay included)")
     for stmt in walk_statements(spec.body[first:last]):
+        e = stmt.condition if isinstance(stmt, ir.If) else stmt.value
+        for call in iter_calls(e):
+            if call.func == "stored":
+                raise error("stored() rounds a value as the weight is stored, which only a phase's kernel does; this "
+                            "statement is in the region (between the functions of the whole weight), which runs in "
+                            "fp32", call.loc, hint="compute it before the first function of the whole weight or "
+                            "after the last")
         if isinstance(stmt, ir.Assign) and kinds.get(stmt.target) == "state" and env[stmt.target] == "element":
             raise error(f"per-element state '{stmt.target}' is assigned between the functions of the whole weight, "
                         "which run on the whole weight in fp32 where the state's layout would have to be rounded",
                         stmt.target_loc, hint="assign it before the first of them (it can feed them) or after the "
                         "last; or declare it per row or per column ('state NAME[rows] = 0')")
     if spec.scalars:
-        raise error(f"a spec with {func}() cannot have scalar state yet", spec.scalars[0].loc)
+        what = f"{calls[0][1].func}()" if calls else "states per row or column"
+        raise error(f"a spec with {what} cannot have scalar state yet", spec.scalars[0].loc)
 
 
 def _check_extents(spec: ir.Spec, env: Mapping[str, str], error) -> None:

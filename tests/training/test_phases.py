@@ -144,6 +144,7 @@ def test_embedding_is_stepped_from_grad():
 
 
 LAMB = dict(lr=5e-3, betas=(0.8, 0.99), eps=1e-5, weight_decay=0.05)
+ADAFACTOR = dict(lr=0.03, beta2_decay=-0.6, weight_decay=0.02)
 
 
 @pytest.mark.parametrize("path", ["fused", "slab", "step"])
@@ -298,7 +299,7 @@ def test_forge_test_sweeps_each_phase(capsys):
     assert "--against" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, kw", [("muon", MUON), ("lamb", LAMB)])
+@pytest.mark.parametrize("name, kw", [("muon", MUON), ("lamb", LAMB), ("adafactor", ADAFACTOR)])
 def test_compiled_steps_equal_eager_steps(name, kw):
     """Under torch.compile (aot_eager, fullgraph) the phases run inside the fused op's backward: the same bits as
     eager."""
@@ -317,7 +318,7 @@ def test_compiled_steps_equal_eager_steps(name, kw):
     assert {int(s["step"]) for s in opt_compiled.state.values()} == {3}
 
 
-@pytest.mark.parametrize("name, kw", [("muon", MUON), ("lamb", LAMB)])
+@pytest.mark.parametrize("name, kw", [("muon", MUON), ("lamb", LAMB), ("adafactor", ADAFACTOR)])
 def test_state_dict_round_trip_continues_the_run(name, kw):
     """Three steps, save, load into a new optimizer on a copy, three more: the same weights as six steps in one
     run; the state dict holds the spec's states, never a transient."""
