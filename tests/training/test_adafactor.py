@@ -189,7 +189,7 @@ def test_a_spec_of_ones_own_hands_the_post_phase_two_values_per_element(tmp_path
     w = layer.weight.detach().clone()
     opt = ForgeOptimizer(layer, str(path), lr=0.05)
     assert layer.weight in opt._handles
-    m, r, c = torch.zeros_like(w), torch.zeros(10, 1), torch.zeros(1, 24)
+    m, r, c = torch.zeros_like(w), torch.zeros(10, 1, device=DEVICE), torch.zeros(1, 24, device=DEVICE)
     for _ in range(4):
         x = torch.randn(6, 24, device=DEVICE)
         opt.zero_grad()
