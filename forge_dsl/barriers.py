@@ -14,7 +14,7 @@ from .eager import elementwise, host_tensor
 from .spec import ir
 from .spec.names import BARRIER_FUNCTIONS, ROW_COLUMN_FUNCTIONS
 from .spec.phases import Plan, shape_values
-from .spec.variants import evaluate, iter_names, walk_statements
+from .spec.variants import evaluate, iter_names
 
 __all__ = ["orthogonalize", "reduce_whole", "run_region"]
 
@@ -107,7 +107,7 @@ def run_region(phases: Plan, values: Mapping[str, torch.Tensor], cfg, step: int,
         env[name] = t.reshape((rows, 1) if extent == "rows" else (1, cols) if extent == "cols" else (rows, cols)
                               ).to(like.dtype)
     kept_to_the_end = {*phases.results, *phases.region_kept, phases.post_grad}
-    last_read = _last_reads(phases.region)
+    last_read = phases.region_last_reads
     for i, stmt in enumerate(phases.region):
         _run((stmt,), env, host, values, extents, like)
         for name in [n for n in env if last_read.get(n, -1) <= i and n not in wanted and n not in kept_to_the_end]:
@@ -124,16 +124,6 @@ def run_region(phases: Plan, values: Mapping[str, torch.Tensor], cfg, step: int,
         return param, {n: float(v) for n, v in results.items()}
     grad = env[phases.post_grad].expand(rows, cols).reshape(shape)
     return grad.contiguous(), {n: float(v) for n, v in results.items()}
-
-
-def _last_reads(region) -> dict[str, int]:
-    """Each name the region reads -> the index of the last top-level statement that reads it."""
-    out: dict[str, int] = {}
-    for i, stmt in enumerate(region):
-        for s in walk_statements((stmt,)):
-            for n in iter_names(s.condition if isinstance(s, ir.If) else s.value):
-                out[n.id] = i
-    return out
 
 
 def _run(body, env: dict, host: dict, stored: Mapping[str, torch.Tensor], extents: Mapping, like) -> None:

@@ -34,7 +34,7 @@ from typing import Mapping, Optional
 from . import ir
 from .checker import check_spec
 from .errors import Loc, SpecError
-from .names import BARRIER_FUNCTIONS, PER_TENSOR_FUNCTIONS, SHAPE_VALUES
+from .names import BARRIER_FUNCTIONS, SHAPE_VALUES
 from .placement import extents, region_bounds
 from .parser import parse_spec
 from .printer import print_spec
@@ -66,11 +66,6 @@ class Barrier:
     source: str
     args: tuple[ir.Expr, ...]
     loc: Loc
-
-    @property
-    def per_tensor(self) -> bool:
-        """Whether its result is one value per tensor (a reduction), not a matrix."""
-        return self.func in PER_TENSOR_FUNCTIONS
 
 
 @dataclass(frozen=True)
@@ -105,6 +100,17 @@ class Plan:
     region: tuple[ir.Stmt, ...] = ()
     results: tuple[str, ...] = ()
     region_kept: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def region_last_reads(self) -> dict[str, int]:
+        """Each name the region reads -> the index of the last of its top-level statements that reads it (so
+        `barriers.run_region` drops a temporary after it)."""
+        out: dict[str, int] = {}
+        for i, stmt in enumerate(self.region):
+            for e in _expressions((stmt,)):
+                for n in iter_names(e):
+                    out[n.id] = i
+        return out
 
     def keywords(self, phase: ir.Spec, cfg, shape, param_eps: float,
                  results: Optional[Mapping[str, float]] = None) -> dict:

@@ -25,9 +25,9 @@ from .errors import SpecError
 from .names import BARRIER_FUNCTIONS, PER_TENSOR_FUNCTIONS, ROW_COLUMN_FUNCTIONS
 from .variants import iter_calls, iter_names, walk_statements
 
-__all__ = ["EXTENTS", "check_barrier_placement", "extents", "region_bounds"]
+__all__ = ["check_barrier_placement", "extents", "region_bounds"]
 
-EXTENTS = ("host", "tensor", "rows", "cols", "element")
+_EXTENTS = ("host", "tensor", "rows", "cols", "element")  # narrowest first
 _UNITS = {"host": "tensor", "tensor": "tensor", "rows": "row", "cols": "column", "element": "element"}
 
 
@@ -35,7 +35,7 @@ def _join(a: str, b: str) -> str:
     """The extent of a value made of values of extents a and b (broadcasting)."""
     if {a, b} == {"rows", "cols"}:
         return "element"
-    return max(a, b, key=EXTENTS.index)
+    return max(a, b, key=_EXTENTS.index)
 
 
 def _declared(spec: ir.Spec) -> dict[str, str]:
@@ -157,9 +157,8 @@ def check_barrier_placement(spec: ir.Spec, kinds: Mapping[str, str]) -> None:
 
 
 def _check_extents(spec: ir.Spec, env: Mapping[str, str], error) -> None:
-    """A state per row (per column) takes values per row (per column) or per tensor; `orthogonalize`'s steps,
-    coefficients and eps are known before the step (host); nothing reads a value per row or column that is
-    not computed yet."""
+    """A state per row (per column) starts from a number and takes values per row (per column) or per tensor;
+    `orthogonalize`'s steps, coefficients and eps are known before the step (host)."""
     for s in spec.states:
         if s.extent is not None and s.starts_from_param:
             raise error(f"state '{s.name}' is one value per {s.unit}, so it cannot start from 'param'",

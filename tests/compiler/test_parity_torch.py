@@ -170,12 +170,13 @@ def test_lamb(lr, b1, b2, eps, wd, shape, seed, steps):
 
 
 @SETTINGS
-@given(lr=lr, decay=st.floats(-1.0, 0.0), eps1=st.sampled_from([None, 1e-30, 1e-3]), eps2=st.sampled_from([0.0, 1e-3]),
+@given(lr=lr, decay=st.floats(-1.0, 0.0), eps1=st.sampled_from([None, 1e-30, 1e-3, 30.0]), eps2=st.sampled_from([0.0, 1e-3]),
        d=st.floats(1.0, 3.0), wd=small, maximize=st.booleans(),
        shape=st.one_of(shape, st.tuples(st.integers(1, 13))), seed=seed, steps=steps)
 def test_adafactor(lr, decay, eps1, eps2, d, wd, maximize, shape, seed, steps):
     """Matrices factored (row_var [rows], col_var [cols] against torch's [rows, 1] and [1, cols]), vectors whole
-    (row_var against torch's variance); eps1 None is float64's epsilon in both."""
+    (row_var against torch's variance); eps1 None is float64's epsilon in both, 30 one that clamps the
+    factored estimate's divisor (the gradients' squares here are about 0.01 to 100)."""
     kw = dict(lr=lr, beta2_decay=decay, eps=(eps1, eps2), d=d, weight_decay=wd, maximize=maximize)
 
     def states(opt, theirs, state):

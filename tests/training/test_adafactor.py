@@ -9,19 +9,13 @@ import torch
 
 import forge_dsl
 from forge_dsl import ForgeOptimizer
+from forge_dsl.spec.keywords import resolve_hypers
 from forge_dsl.spec.phases import plan
 from training_models import (DEVICE, assert_params_close, llama_batches, llama_loss, make_llama, make_mlp,
-                             mlp_batches, mlp_loss, rel_err, twin)
+                             mlp_batches, mlp_loss, rel_err, train, twin)
 
 # every keyword off its default; eps1 given (torch's default None: the weight dtype's epsilon, the other case)
 KEYWORDS = dict(lr=0.03, beta2_decay=-0.6, eps=(1e-5, 2e-3), d=1.5, weight_decay=0.02, maximize=True)
-
-
-def run(model, opt, batches, loss_fn):
-    for batch in batches:
-        opt.zero_grad()
-        loss_fn(model, batch).backward()
-        opt.step()
 
 
 @pytest.mark.parametrize("kw", [{}, KEYWORDS], ids=["defaults", "every-keyword"])
@@ -36,8 +30,8 @@ def test_adafactor_equals_torch_adafactor(path, kw):
     opt = ForgeOptimizer(ours, "adafactor", fuse=fuse, linear_path=path if fuse else "auto", **kw)
     assert len(opt._handles) == (3 if fuse else 0)  # its three Linear weights
     batches = mlp_batches(10)
-    run(theirs, ref, batches, mlp_loss)
-    run(ours, opt, batches, mlp_loss)
+    train(theirs, ref, batches, mlp_loss)
+    train(ours, opt, batches, mlp_loss)
     assert_params_close(ours, theirs)
     for p, q in zip(ours.parameters(), theirs.parameters()):
         mine, torchs = opt.state[p], ref.state[q]
@@ -64,8 +58,8 @@ def test_adafactor_default_eps1_is_the_weight_dtypes_epsilon():
     ref = torch.optim.Adafactor(theirs.parameters(), lr=0.05)
     opt = ForgeOptimizer(ours, "adafactor", lr=0.05, rounding="nearest")
     batches = mlp_batches(4, dtype=torch.bfloat16)
-    run(theirs, ref, batches, mlp_loss)
-    run(ours, opt, batches, mlp_loss)
+    train(theirs, ref, batches, mlp_loss)
+    train(ours, opt, batches, mlp_loss)
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         moved, theirs_moved = p.detach().float() - start[name].float(), q.detach().float() - start[name].float()
         assert rel_err(moved, theirs_moved) <= 0.05, name  # bf16 weights rounded each step, both ways
@@ -86,26 +80,26 @@ def test_adafactor_on_a_tiny_llama():
     assert_params_close(ours, theirs)
 
 
-def test_adafactor_state_dict_round_trip_continues_the_run():
+def test_adafactor_state_dict_round_trip_continues_the_train():
     """Five steps, the state dict into a fresh model and optimizer, five more: equal to ten in one run."""
     one = make_mlp()
     other = twin(one, make_mlp)
     batches = mlp_batches(10)
     opt_one = ForgeOptimizer(one, "adafactor", **KEYWORDS)
-    run(one, opt_one, batches, mlp_loss)
+    train(one, opt_one, batches, mlp_loss)
     opt_a = ForgeOptimizer(other, "adafactor", **KEYWORDS)
-    run(other, opt_a, batches[:5], mlp_loss)
+    train(other, opt_a, batches[:5], mlp_loss)
     third = twin(other, make_mlp)
     opt_b = ForgeOptimizer(third, "adafactor", **KEYWORDS)
     opt_b.load_state_dict(opt_a.state_dict())
-    run(third, opt_b, batches[5:], mlp_loss)
+    train(third, opt_b, batches[5:], mlp_loss)
     assert_params_close(third, one, tol=1e-6)
 
 
 def test_a_state_dict_with_a_row_state_of_another_size_is_refused():
     model = make_mlp()
     opt = ForgeOptimizer(model, "adafactor")
-    run(model, opt, mlp_batches(1), mlp_loss)
+    train(model, opt, mlp_batches(1), mlp_loss)
     sd = opt.state_dict()
     first = next(iter(sd["state"]))
     sd["state"][first]["row_var"] = sd["state"][first]["row_var"][:-1].clone()
@@ -128,7 +122,7 @@ def test_a_weight_of_more_than_two_dimensions_is_refused_before_anything_is_inst
 def test_a_layout_for_all_states_keeps_the_row_and_column_states_fp32(layout):
     model = make_mlp()
     opt = ForgeOptimizer(model, "adafactor", state_dtype=layout)
-    run(model, opt, mlp_batches(2), mlp_loss)
+    train(model, opt, mlp_batches(2), mlp_loss)
     for p in model.parameters():
         assert opt.state[p]["row_var"].dtype == torch.float32
     with pytest.raises(ValueError, match="row_var.*fp32.*per row"):
@@ -153,6 +147,16 @@ def test_keywords_torch_refuses_are_refused(kw, match):
         torch.optim.Adafactor([torch.nn.Parameter(torch.zeros(2, 2))], **kw)
     with pytest.raises((ValueError, TypeError), match=match):
         ForgeOptimizer(make_mlp(), "adafactor", **kw)
+
+
+def test_a_tuple_member_given_beside_an_optional_one_keeps_its_value():
+    """eps=(eps1, eps2) with eps1 optional: a number given in the tuple is the value (not None, as the optional
+    keyword's own default would have it), None stays None."""
+    spec = forge_dsl.load_spec("adafactor")
+    given = resolve_hypers(spec, {"eps": (1e-5, 2e-3)})
+    assert given.hypers["eps1"] == 1e-5 and given.hypers["eps2"] == 2e-3 and given.flags["has_eps1"]
+    default = resolve_hypers(spec, {"eps": (None, 2e-3)})
+    assert default.hypers["eps1"] is None and not default.flags["has_eps1"]
 
 
 OWN = """
